@@ -1,0 +1,303 @@
+"""Encoder and decoder layers (section 3.1) and the position-wise feed-forward network (3.3).
+
+Each sub-layer is wrapped as in the paper, LayerNorm(x + Dropout(Sublayer(x)))
+("post-LN"). `norm_first=True` gives the pre-LN variant
+x + Dropout(Sublayer(LayerNorm(x))), which trains more stably in deep stacks
+and needs a final LayerNorm after the stack (the `Encoder`/`Decoder` add it).
+"""
+
+import keras
+from keras import ops
+
+from keras_transformer.attention import MultiHeadAttention
+
+
+def check_model_dims(d_model, num_heads, d_ff, dropout_rate):
+    """Raises a clear error for dimensions the paper's architecture cannot use."""
+    for name, value in (("d_model", d_model), ("num_heads", num_heads), ("d_ff", d_ff)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if d_model % num_heads:
+        raise ValueError(
+            f"d_model ({d_model}) must be divisible by num_heads ({num_heads}): each head "
+            "attends in d_model / num_heads dimensions."
+        )
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}.")
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class FeedForward(keras.layers.Layer):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2, applied to each position separately.
+
+    Args:
+        d_model: Input and output width.
+        d_ff: Inner width.
+        activation: Inner activation; the paper's is ReLU.
+        **kwargs: Base `keras.layers.Layer` arguments.
+    """
+
+    def __init__(self, d_model, d_ff, activation="relu", **kwargs):
+        super().__init__(**kwargs)
+        self.d_model = d_model
+        self.d_ff = d_ff
+        self.activation = activation
+        self.inner = keras.layers.Dense(d_ff, activation=activation, name="inner", dtype=self.dtype_policy)
+        self.outer = keras.layers.Dense(d_model, name="outer", dtype=self.dtype_policy)
+
+    def build(self, inputs_shape):
+        self.inner.build(inputs_shape)
+        self.outer.build(tuple(inputs_shape[:-1]) + (self.d_ff,))
+        self.built = True
+
+    def call(self, inputs):
+        return self.outer(self.inner(inputs))
+
+    def compute_output_shape(self, inputs_shape):
+        return tuple(inputs_shape[:-1]) + (self.d_model,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"d_model": self.d_model, "d_ff": self.d_ff, "activation": self.activation})
+        return config
+
+
+class _ResidualBlock(keras.layers.Layer):
+    """Shared pieces of the encoder and decoder layers: sizes, residual wrapping, config."""
+
+    def __init__(
+        self,
+        d_model,
+        num_heads,
+        d_ff,
+        dropout_rate=0.1,
+        norm_first=False,
+        layer_norm_epsilon=1e-6,
+        activation="relu",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        check_model_dims(d_model, num_heads, d_ff, dropout_rate)
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_ff = d_ff
+        self.dropout_rate = dropout_rate
+        self.norm_first = norm_first
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.activation = activation
+        self.feed_forward = FeedForward(d_model, d_ff, activation, name="feed_forward", dtype=self.dtype_policy)
+
+    def _attention(self, name):
+        return MultiHeadAttention(self.num_heads, name=name, dtype=self.dtype_policy)
+
+    def _norm_and_dropout(self, name):
+        norm = keras.layers.LayerNormalization(
+            epsilon=self.layer_norm_epsilon, name=f"{name}_norm", dtype=self.dtype_policy
+        )
+        dropout = keras.layers.Dropout(self.dropout_rate, dtype=self.dtype_policy)
+        return norm, dropout
+
+    def _check_inputs(self, inputs_shape):
+        if len(inputs_shape) != 3 or inputs_shape[-1] != self.d_model:
+            raise ValueError(
+                f"{self.__class__.__name__} expects inputs of shape [batch, length, d_model={self.d_model}], "
+                f"got {tuple(inputs_shape)}."
+            )
+
+    def _residual(self, x, sublayer, norm, dropout, training):
+        """Post-LN: norm(x + dropout(sublayer(x))); pre-LN: x + dropout(sublayer(norm(x)))."""
+        if self.norm_first:
+            return x + dropout(sublayer(norm(x)), training=training)
+        return norm(x + dropout(sublayer(x), training=training))
+
+    def compute_output_shape(self, inputs_shape, *args, **kwargs):
+        return tuple(inputs_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "d_model": self.d_model,
+                "num_heads": self.num_heads,
+                "d_ff": self.d_ff,
+                "dropout_rate": self.dropout_rate,
+                "norm_first": self.norm_first,
+                "layer_norm_epsilon": self.layer_norm_epsilon,
+                "activation": self.activation,
+            }
+        )
+        return config
+
+
+def _as_attention_mask(padding_mask):
+    """Accepts a `[batch, key_length]` padding mask and returns it as `[batch, 1, key_length]`."""
+    if padding_mask is None:
+        return None
+    if len(padding_mask.shape) == 2:
+        return ops.expand_dims(ops.cast(padding_mask, "bool"), axis=1)
+    return padding_mask
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class EncoderLayer(_ResidualBlock):
+    """Self-attention followed by a position-wise feed-forward network.
+
+    Args:
+        d_model: Model width.
+        num_heads: Attention heads; must divide `d_model`.
+        d_ff: Inner width of the feed-forward network.
+        dropout_rate: Dropout on each sub-layer's output (paper: 0.1).
+        norm_first: Pre-LN instead of the paper's post-LN.
+        layer_norm_epsilon: LayerNorm epsilon.
+        activation: Feed-forward activation (paper: ReLU).
+        **kwargs: Base `keras.layers.Layer` arguments.
+
+    Call arguments:
+        inputs: `[batch, length, d_model]`.
+        padding_mask: Boolean `[batch, length]` (`True` for real tokens) or an
+            attention mask of rank 3/4. Defaults to the Keras mask of `inputs`
+            (e.g. from `Embedding(mask_zero=True)`).
+        training: Whether dropout is active.
+        return_attention_scores: Also return the self-attention weights.
+
+    Returns:
+        `[batch, length, d_model]`, and the attention weights if asked for.
+    """
+
+    def __init__(self, d_model, num_heads, d_ff, **kwargs):
+        super().__init__(d_model, num_heads, d_ff, **kwargs)
+        self.supports_masking = True
+        self.self_attention = self._attention("self_attention")
+        self.self_attention_norm, self.self_attention_dropout = self._norm_and_dropout("self_attention")
+        self.feed_forward_norm, self.feed_forward_dropout = self._norm_and_dropout("feed_forward")
+
+    def build(self, inputs_shape, padding_mask_shape=None):
+        self._check_inputs(inputs_shape)
+        self.self_attention.build(inputs_shape, inputs_shape)
+        self.feed_forward.build(inputs_shape)
+        self.self_attention_norm.build(inputs_shape)
+        self.feed_forward_norm.build(inputs_shape)
+        self.built = True
+
+    def call(self, inputs, padding_mask=None, training=None, return_attention_scores=False, mask=None):
+        attention_mask = _as_attention_mask(padding_mask if padding_mask is not None else mask)
+        scores = None
+
+        def self_attend(x):
+            nonlocal scores
+            output, scores = self.self_attention(
+                x, x, attention_mask=attention_mask, return_attention_scores=True, training=training
+            )
+            return output
+
+        x = self._residual(inputs, self_attend, self.self_attention_norm, self.self_attention_dropout, training)
+        x = self._residual(x, self.feed_forward, self.feed_forward_norm, self.feed_forward_dropout, training)
+        return (x, scores) if return_attention_scores else x
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class DecoderLayer(_ResidualBlock):
+    """Masked self-attention, encoder-decoder attention, then a feed-forward network.
+
+    Args: as `EncoderLayer`.
+
+    Call arguments:
+        inputs: Decoder sequence `[batch, target_length, d_model]`.
+        encoder_outputs: `[batch, source_length, d_model]`. Not used when
+            `cache` holds the projected encoder memory.
+        encoder_padding_mask: Boolean `[batch, source_length]` (or rank 3/4),
+            hiding source padding from the encoder-decoder attention.
+        training: Whether dropout is active.
+        cache: For incremental decoding, a dict `{"self": {"key", "value"},
+            "cross": {"key", "value"}}` as made by `init_cache`.
+        cache_index: Position of `inputs`' first token in the output sequence.
+        return_attention_scores: Also return `(self_scores, cross_scores)`.
+
+    Returns:
+        `[batch, target_length, d_model]`; then the attention weights if asked
+        for; then the updated cache if one was given.
+    """
+
+    def __init__(self, d_model, num_heads, d_ff, **kwargs):
+        super().__init__(d_model, num_heads, d_ff, **kwargs)
+        self.self_attention = self._attention("self_attention")
+        self.cross_attention = self._attention("cross_attention")
+        self.self_attention_norm, self.self_attention_dropout = self._norm_and_dropout("self_attention")
+        self.cross_attention_norm, self.cross_attention_dropout = self._norm_and_dropout("cross_attention")
+        self.feed_forward_norm, self.feed_forward_dropout = self._norm_and_dropout("feed_forward")
+
+    def build(self, inputs_shape, encoder_outputs_shape=None, encoder_padding_mask_shape=None):
+        self._check_inputs(inputs_shape)
+        encoder_outputs_shape = encoder_outputs_shape or inputs_shape
+        self.self_attention.build(inputs_shape, inputs_shape)
+        self.cross_attention.build(inputs_shape, encoder_outputs_shape)
+        self.feed_forward.build(inputs_shape)
+        for norm in (self.self_attention_norm, self.cross_attention_norm, self.feed_forward_norm):
+            norm.build(inputs_shape)
+        self.built = True
+
+    def init_cache(self, encoder_outputs, max_length):
+        """An empty self-attention cache of `max_length` positions and the projected encoder memory."""
+        batch_size = ops.shape(encoder_outputs)[0]
+        head_dim = self.d_model // self.num_heads
+        empty = ops.zeros((batch_size, max_length, self.num_heads, head_dim), dtype=self.compute_dtype)
+        return {
+            "self": {"key": empty, "value": empty},
+            "cross": self.cross_attention.project_key_value(encoder_outputs),
+        }
+
+    def call(
+        self,
+        inputs,
+        encoder_outputs=None,
+        encoder_padding_mask=None,
+        training=None,
+        cache=None,
+        cache_index=None,
+        return_attention_scores=False,
+    ):
+        if cache is None and encoder_outputs is None:
+            raise ValueError("DecoderLayer needs encoder_outputs (or a cache holding the encoder memory).")
+        if (cache is None) != (cache_index is None):
+            raise ValueError("cache and cache_index go together: give both or neither.")
+        cross_mask = _as_attention_mask(encoder_padding_mask)
+        scores = {}
+        new_cache = {}
+
+        def self_attend(x):
+            outputs = self.self_attention(
+                x,
+                x,
+                use_causal_mask=True,
+                return_attention_scores=True,
+                training=training,
+                cache=None if cache is None else cache["self"],
+                cache_index=cache_index,
+            )
+            scores["self"] = outputs[1]
+            if cache is not None:
+                new_cache["self"] = outputs[2]
+            return outputs[0]
+
+        def cross_attend(x):
+            outputs = self.cross_attention(
+                x,
+                encoder_outputs if encoder_outputs is not None else x,
+                attention_mask=cross_mask,
+                return_attention_scores=True,
+                training=training,
+                cache=None if cache is None else cache["cross"],
+            )
+            scores["cross"] = outputs[1]
+            return outputs[0]
+
+        x = self._residual(inputs, self_attend, self.self_attention_norm, self.self_attention_dropout, training)
+        x = self._residual(x, cross_attend, self.cross_attention_norm, self.cross_attention_dropout, training)
+        x = self._residual(x, self.feed_forward, self.feed_forward_norm, self.feed_forward_dropout, training)
+        outputs = (x,)
+        if return_attention_scores:
+            outputs += ((scores["self"], scores["cross"]),)
+        if cache is not None:
+            new_cache["cross"] = cache["cross"]
+            outputs += (new_cache,)
+        return outputs[0] if len(outputs) == 1 else outputs

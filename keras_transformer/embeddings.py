@@ -1,0 +1,144 @@
+"""Token embeddings and positional encodings (sections 3.4 and 3.5).
+
+`SharedEmbedding` is the paper's single weight matrix shared by the source
+embedding, the target embedding and the pre-softmax projection (weight tying);
+embedding lookups are multiplied by sqrt(d_model).
+
+`PositionalEncoding` adds the sinusoidal encoding
+
+    PE(pos, 2i)   = sin(pos / 10000^(2i / d_model))
+    PE(pos, 2i+1) = cos(pos / 10000^(2i / d_model))
+
+or, as an option, a learned one (the paper's Table 3, row E).
+"""
+
+import math
+
+import keras
+from keras import ops
+
+
+def sinusoidal_encoding(positions, d_model):
+    """The paper's sinusoidal encoding of `positions` (float32 `[length, d_model]`).
+
+    Even channels carry sines and odd channels cosines of the same frequency,
+    interleaved as in the formula.
+    """
+    positions = ops.cast(ops.expand_dims(positions, -1), "float32")
+    pair_index = ops.arange(0, d_model, 2, dtype="float32")  # the 2i of the formula
+    inverse_frequencies = ops.exp(pair_index * (-math.log(10000.0) / d_model))
+    angles = positions * inverse_frequencies  # [length, ceil(d_model / 2)]
+    interleaved = ops.stack([ops.sin(angles), ops.cos(angles)], axis=-1)
+    return ops.reshape(interleaved, (-1, 2 * angles.shape[-1]))[:, :d_model]
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class PositionalEncoding(keras.layers.Layer):
+    """Adds position information to a sequence of embeddings.
+
+    Args:
+        learned: Use a learned `[max_length, d_model]` table instead of the
+            fixed sinusoids.
+        max_length: Longest sequence a learned table covers. The sinusoidal
+            encoding has no such limit.
+        **kwargs: Base `keras.layers.Layer` arguments.
+
+    Call arguments:
+        inputs: Embeddings `[batch, length, d_model]`.
+        start_index: Position of the first element (an int or scalar tensor),
+            non-zero when decoding one token at a time.
+
+    Returns:
+        `inputs` plus the encoding of positions `start_index .. start_index + length - 1`.
+    """
+
+    def __init__(self, learned=False, max_length=1024, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(max_length, int) or max_length <= 0:
+            raise ValueError(f"max_length must be a positive integer, got {max_length!r}.")
+        self.learned = learned
+        self.max_length = max_length
+        self.supports_masking = True  # positions do not change which tokens are padding
+
+    def build(self, inputs_shape):
+        d_model = inputs_shape[-1]
+        if d_model is None:
+            raise ValueError("PositionalEncoding needs a known last dimension (d_model).")
+        self.d_model = d_model
+        if self.learned:
+            self.position_embeddings = self.add_weight(
+                name="position_embeddings",
+                shape=(self.max_length, d_model),
+                initializer=keras.initializers.RandomNormal(stddev=d_model**-0.5),
+            )
+        self.built = True
+
+    def call(self, inputs, start_index=0):
+        positions = ops.arange(ops.shape(inputs)[1]) + start_index
+        if self.learned:
+            encoding = ops.take(self.position_embeddings, positions, axis=0)
+        else:
+            encoding = sinusoidal_encoding(positions, self.d_model)
+        return inputs + ops.cast(encoding, inputs.dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"learned": self.learned, "max_length": self.max_length})
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class SharedEmbedding(keras.layers.Layer):
+    """One `[vocab_size, d_model]` matrix for embedding tokens and projecting to logits.
+
+    Initialised with standard deviation d_model^-0.5 so that embeddings scaled
+    by sqrt(d_model) have unit variance, like the positional encodings.
+
+    Args:
+        vocab_size: Size of the shared source/target vocabulary.
+        d_model: Model width.
+        **kwargs: Base `keras.layers.Layer` arguments.
+
+    Call arguments:
+        inputs: Token ids `[batch, length]`, or hidden states
+            `[batch, length, d_model]` when `reverse=True`.
+        reverse: Project hidden states to vocabulary logits with the transposed
+            embedding matrix instead of embedding ids.
+
+    Returns:
+        `embedding[ids] * sqrt(d_model)`, or float32 logits `[batch, length, vocab_size]`.
+    """
+
+    def __init__(self, vocab_size, d_model, **kwargs):
+        super().__init__(**kwargs)
+        for name, value in (("vocab_size", vocab_size), ("d_model", d_model)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        self.vocab_size = vocab_size
+        self.d_model = d_model
+
+    def build(self, inputs_shape=None):
+        self.embeddings = self.add_weight(
+            name="embeddings",
+            shape=(self.vocab_size, self.d_model),
+            initializer=keras.initializers.RandomNormal(stddev=self.d_model**-0.5),
+        )
+        self.built = True
+
+    def call(self, inputs, reverse=False):
+        if reverse:
+            logits = ops.matmul(inputs, ops.transpose(ops.cast(self.embeddings, inputs.dtype)))
+            # Softmax and loss want float32 logits even under mixed precision.
+            return ops.cast(logits, "float32")
+        embedded = ops.take(self.embeddings, ops.cast(inputs, "int32"), axis=0)
+        return embedded * ops.cast(math.sqrt(self.d_model), embedded.dtype)
+
+    def compute_output_shape(self, inputs_shape, reverse=False):
+        if reverse:
+            return tuple(inputs_shape[:-1]) + (self.vocab_size,)
+        return tuple(inputs_shape) + (self.d_model,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"vocab_size": self.vocab_size, "d_model": self.d_model})
+        return config

@@ -1,0 +1,347 @@
+"""Encoder and decoder stacks and the full encoder-decoder `Transformer` (section 3).
+
+Data flow of `Transformer`:
+
+    source ids -> SharedEmbedding * sqrt(d_model) + PositionalEncoding -> Dropout -> Encoder
+    target ids -> SharedEmbedding * sqrt(d_model) + PositionalEncoding -> Dropout -> Decoder
+    decoder output -> SharedEmbedding transposed -> float32 logits
+
+For decoding, `encode` runs once per input, `init_cache` projects the encoder
+memory once per layer, and `decode_step` feeds only the newest tokens.
+"""
+
+import keras
+from keras import ops
+
+from keras_transformer.blocks import DecoderLayer, EncoderLayer, check_model_dims
+from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding
+from keras_transformer.masks import padding_mask
+from keras_transformer.presets import get_preset
+
+
+class _Stack(keras.layers.Layer):
+    """N identical layers, plus the final LayerNorm that pre-LN stacks need."""
+
+    layer_class = None
+
+    def __init__(
+        self,
+        num_layers,
+        d_model,
+        num_heads,
+        d_ff,
+        dropout_rate=0.1,
+        norm_first=False,
+        layer_norm_epsilon=1e-6,
+        activation="relu",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if not isinstance(num_layers, int) or num_layers <= 0:
+            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}.")
+        check_model_dims(d_model, num_heads, d_ff, dropout_rate)
+        self.num_layers = num_layers
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_ff = d_ff
+        self.dropout_rate = dropout_rate
+        self.norm_first = norm_first
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.activation = activation
+        self.blocks = [
+            self.layer_class(
+                d_model,
+                num_heads,
+                d_ff,
+                dropout_rate=dropout_rate,
+                norm_first=norm_first,
+                layer_norm_epsilon=layer_norm_epsilon,
+                activation=activation,
+                name=f"layer_{i}",
+                dtype=self.dtype_policy,
+            )
+            for i in range(num_layers)
+        ]
+        self.final_norm = None
+        if norm_first:
+            self.final_norm = keras.layers.LayerNormalization(
+                epsilon=layer_norm_epsilon, name="final_norm", dtype=self.dtype_policy
+            )
+
+    def _build_final_norm(self, inputs_shape):
+        if self.final_norm is not None:
+            self.final_norm.build(inputs_shape)
+        self.built = True
+
+    def _finish(self, x):
+        return x if self.final_norm is None else self.final_norm(x)
+
+    def compute_output_shape(self, inputs_shape, *args, **kwargs):
+        return tuple(inputs_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_layers": self.num_layers,
+                "d_model": self.d_model,
+                "num_heads": self.num_heads,
+                "d_ff": self.d_ff,
+                "dropout_rate": self.dropout_rate,
+                "norm_first": self.norm_first,
+                "layer_norm_epsilon": self.layer_norm_epsilon,
+                "activation": self.activation,
+            }
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class Encoder(_Stack):
+    """A stack of `num_layers` `EncoderLayer`s.
+
+    Args: `num_layers` and the `EncoderLayer` arguments.
+
+    Call arguments:
+        inputs: Embedded source `[batch, source_length, d_model]`.
+        padding_mask: Boolean `[batch, source_length]`, `True` for real tokens.
+        training: Whether dropout is active.
+
+    Returns:
+        `[batch, source_length, d_model]`.
+    """
+
+    layer_class = EncoderLayer
+
+    def build(self, inputs_shape, padding_mask_shape=None):
+        for layer in self.blocks:
+            layer.build(inputs_shape)
+        self._build_final_norm(inputs_shape)
+
+    def call(self, inputs, padding_mask=None, training=None):
+        x = inputs
+        for layer in self.blocks:
+            x = layer(x, padding_mask=padding_mask, training=training)
+        return self._finish(x)
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class Decoder(_Stack):
+    """A stack of `num_layers` `DecoderLayer`s.
+
+    Args: `num_layers` and the `DecoderLayer` arguments.
+
+    Call arguments:
+        inputs: Embedded target `[batch, target_length, d_model]`.
+        encoder_outputs: `[batch, source_length, d_model]` (unused with a cache).
+        encoder_padding_mask: Boolean `[batch, source_length]`.
+        training: Whether dropout is active.
+        cache: List of per-layer caches from `init_cache`, for incremental decoding.
+        cache_index: Position of `inputs`' first token.
+
+    Returns:
+        `[batch, target_length, d_model]`, and the updated cache list if a cache was given.
+    """
+
+    layer_class = DecoderLayer
+
+    def build(self, inputs_shape, encoder_outputs_shape=None, encoder_padding_mask_shape=None):
+        for layer in self.blocks:
+            layer.build(inputs_shape, encoder_outputs_shape)
+        self._build_final_norm(inputs_shape)
+
+    def init_cache(self, encoder_outputs, max_length):
+        """Per-layer caches: empty self-attention buffers of `max_length`, projected encoder memory."""
+        return [layer.init_cache(encoder_outputs, max_length) for layer in self.blocks]
+
+    def call(
+        self,
+        inputs,
+        encoder_outputs=None,
+        encoder_padding_mask=None,
+        training=None,
+        cache=None,
+        cache_index=None,
+    ):
+        x = inputs
+        new_cache = []
+        for i, layer in enumerate(self.blocks):
+            if cache is None:
+                x = layer(x, encoder_outputs, encoder_padding_mask, training=training)
+            else:
+                x, layer_cache = layer(
+                    x,
+                    encoder_outputs,
+                    encoder_padding_mask,
+                    training=training,
+                    cache=cache[i],
+                    cache_index=cache_index,
+                )
+                new_cache.append(layer_cache)
+        x = self._finish(x)
+        return x if cache is None else (x, new_cache)
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class Transformer(keras.Model):
+    """The encoder-decoder Transformer with a shared, tied embedding.
+
+    Args:
+        vocab_size: Size of the shared source/target vocabulary.
+        num_layers: `N`, layers in each of the encoder and decoder.
+        d_model: Model width.
+        num_heads: Attention heads `h`.
+        d_ff: Feed-forward inner width.
+        dropout_rate: `P_drop`, on embeddings + encodings and sub-layer outputs.
+        norm_first: Pre-LN instead of the paper's post-LN.
+        learned_positions: Learned instead of sinusoidal positional encodings.
+        max_length: Longest sequence covered by learned positional encodings.
+        layer_norm_epsilon: LayerNorm epsilon.
+        pad_id: Token id of padding, hidden from attention.
+        **kwargs: Base `keras.Model` arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        inputs: Tuple `(source_ids, decoder_input_ids)`, int `[batch, length]`;
+            the decoder input is the target shifted right behind the start token.
+        training: Whether dropout is active.
+
+    Returns:
+        float32 logits `[batch, target_length, vocab_size]`.
+    """
+
+    def __init__(
+        self,
+        vocab_size,
+        num_layers=6,
+        d_model=512,
+        num_heads=8,
+        d_ff=2048,
+        dropout_rate=0.1,
+        norm_first=False,
+        learned_positions=False,
+        max_length=1024,
+        layer_norm_epsilon=1e-6,
+        pad_id=0,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        check_model_dims(d_model, num_heads, d_ff, dropout_rate)
+        self.vocab_size = vocab_size
+        self.num_layers = num_layers
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_ff = d_ff
+        self.dropout_rate = dropout_rate
+        self.norm_first = norm_first
+        self.learned_positions = learned_positions
+        self.max_length = max_length
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.pad_id = pad_id
+
+        policy = self.dtype_policy
+        self.embedding = SharedEmbedding(vocab_size, d_model, name="shared_embedding", dtype=policy)
+        self.positional_encoding = PositionalEncoding(
+            learned=learned_positions, max_length=max_length, name="positional_encoding", dtype=policy
+        )
+        self.embedding_dropout = keras.layers.Dropout(dropout_rate, dtype=policy)
+        stack_args = dict(
+            num_layers=num_layers,
+            d_model=d_model,
+            num_heads=num_heads,
+            d_ff=d_ff,
+            dropout_rate=dropout_rate,
+            norm_first=norm_first,
+            layer_norm_epsilon=layer_norm_epsilon,
+            dtype=policy,
+        )
+        self.encoder = Encoder(name="encoder", **stack_args)
+        self.decoder = Decoder(name="decoder", **stack_args)
+
+    @classmethod
+    def from_preset(cls, preset, vocab_size, **overrides):
+        """Builds a model of a named size ("tiny", "small", "base", "big", ...); see `presets`."""
+        config = dict(get_preset(preset))
+        config.update(overrides)
+        return cls(vocab_size=vocab_size, **config)
+
+    def build(self, inputs_shape=None):
+        batch = None
+        d_model_shape = (batch, None, self.d_model)
+        self.embedding.build()
+        self.positional_encoding.build(d_model_shape)
+        self.encoder.build(d_model_shape)
+        self.decoder.build(d_model_shape, d_model_shape)
+        self.built = True
+
+    def _embed(self, token_ids, training, start_index=0):
+        x = self.embedding(token_ids)
+        x = self.positional_encoding(x, start_index=start_index)
+        return self.embedding_dropout(x, training=training)
+
+    def encode(self, source_ids, training=None):
+        """Runs the encoder once.
+
+        Returns:
+            `(encoder_outputs [batch, source_length, d_model], source_padding_mask [batch, source_length])`.
+        """
+        source_mask = ops.not_equal(source_ids, self.pad_id)
+        encoder_outputs = self.encoder(self._embed(source_ids, training), padding_mask=source_mask, training=training)
+        return encoder_outputs, source_mask
+
+    def decode(self, decoder_input_ids, encoder_outputs, source_padding_mask, training=None):
+        """Logits for every position of `decoder_input_ids`, recomputing the whole prefix."""
+        x = self._embed(decoder_input_ids, training)
+        x = self.decoder(x, encoder_outputs, source_padding_mask, training=training)
+        return self.embedding(x, reverse=True)
+
+    def init_cache(self, encoder_outputs, max_length):
+        """Decoding cache for outputs of up to `max_length` tokens (one entry per decoder layer)."""
+        return self.decoder.init_cache(encoder_outputs, max_length)
+
+    def decode_step(self, token_ids, cache, cache_index, source_padding_mask):
+        """Logits for the newest tokens only, reusing the cached keys and values.
+
+        Args:
+            token_ids: `[batch, new_length]` ids at positions
+                `cache_index .. cache_index + new_length - 1` (usually one token).
+            cache: From `init_cache` or the previous step.
+            cache_index: Scalar int position of `token_ids[:, 0]`.
+            source_padding_mask: From `encode`.
+
+        Returns:
+            `(logits [batch, new_length, vocab_size] float32, updated cache)`.
+        """
+        x = self._embed(token_ids, training=False, start_index=cache_index)
+        x, cache = self.decoder(
+            x, None, source_padding_mask, training=False, cache=cache, cache_index=cache_index
+        )
+        return self.embedding(x, reverse=True), cache
+
+    def call(self, inputs, training=None):
+        if not isinstance(inputs, (tuple, list)) or len(inputs) != 2:
+            raise ValueError(
+                "Transformer expects inputs (source_ids, decoder_input_ids), two int tensors "
+                f"[batch, length]; got {type(inputs).__name__}."
+            )
+        source_ids, decoder_input_ids = inputs
+        for name, ids in (("source_ids", source_ids), ("decoder_input_ids", decoder_input_ids)):
+            if len(ids.shape) != 2:
+                raise ValueError(f"{name} must be [batch, length] token ids, got shape {tuple(ids.shape)}.")
+        encoder_outputs, source_mask = self.encode(source_ids, training=training)
+        return self.decode(decoder_input_ids, encoder_outputs, source_mask, training=training)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "vocab_size": self.vocab_size,
+            "num_layers": self.num_layers,
+            "d_model": self.d_model,
+            "num_heads": self.num_heads,
+            "d_ff": self.d_ff,
+            "dropout_rate": self.dropout_rate,
+            "norm_first": self.norm_first,
+            "learned_positions": self.learned_positions,
+            "max_length": self.max_length,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "pad_id": self.pad_id,
+        }

@@ -1,0 +1,108 @@
+"""MultiHeadAttention against Keras's own layer, and its cache against full attention."""
+
+import numpy as np
+import pytest
+import keras
+
+from keras_transformer import MultiHeadAttention, causal_mask
+
+D_MODEL, HEADS = 16, 4
+
+
+def copied_pair(seed=0):
+    """Our layer and `keras.layers.MultiHeadAttention` with the same weights."""
+    rng = np.random.default_rng(seed)
+    query = rng.normal(size=(2, 5, D_MODEL)).astype("float32")
+    value = rng.normal(size=(2, 7, D_MODEL)).astype("float32")
+    ours = MultiHeadAttention(HEADS)
+    ours(query, value)
+    theirs = keras.layers.MultiHeadAttention(HEADS, key_dim=D_MODEL // HEADS)
+    theirs(query, value)
+    # Random biases too, so a mix-up of bias and kernel order would show.
+    weights = [rng.normal(size=w.shape).astype("float32") * 0.3 for w in ours.get_weights()]
+    ours.set_weights(weights)
+    theirs.set_weights(weights)
+    return ours, theirs, query, value
+
+
+def test_matches_keras_multi_head_attention_without_mask():
+    ours, theirs, query, value = copied_pair()
+    out, scores = ours(query, value, return_attention_scores=True)
+    expected, expected_scores = theirs(query, value, return_attention_scores=True)
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-6)
+
+
+def test_matches_keras_multi_head_attention_with_attention_mask():
+    ours, theirs, query, value = copied_pair(seed=1)
+    rng = np.random.default_rng(1)
+    mask = rng.random((2, 5, 7)) > 0.4
+    mask[..., 0] = True  # every query keeps at least one key
+    out = ours(query, value, attention_mask=mask)
+    expected = theirs(query, value, attention_mask=mask)
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+
+
+def test_matches_keras_multi_head_attention_with_causal_mask():
+    ours, theirs, query, _ = copied_pair(seed=2)
+    out = ours(query, query, use_causal_mask=True)
+    expected = theirs(query, query, use_causal_mask=True)
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+
+
+def test_padding_mask_hides_masked_keys():
+    ours, _, query, value = copied_pair(seed=3)
+    mask = np.ones((2, 1, 7), bool)
+    mask[:, :, 4:] = False
+    changed = value.copy()
+    changed[:, 4:] = np.random.default_rng(3).normal(size=changed[:, 4:].shape)
+    np.testing.assert_allclose(
+        ours(query, value, attention_mask=mask), ours(query, changed, attention_mask=mask), atol=1e-6
+    )
+    _, scores = ours(query, value, attention_mask=mask, return_attention_scores=True)
+    assert np.all(np.asarray(scores)[..., 4:] < 1e-6)
+
+
+def test_cache_gives_the_same_outputs_as_full_causal_attention():
+    ours, _, query, _ = copied_pair(seed=4)
+    full = np.asarray(ours(query, query, use_causal_mask=True))
+    length = query.shape[1]
+    head_dim = D_MODEL // HEADS
+    empty = np.zeros((2, length, HEADS, head_dim), "float32")
+    cache = {"key": empty, "value": empty}
+    for i in range(length):
+        step = query[:, i : i + 1]
+        out, cache = ours(step, step, use_causal_mask=True, cache=cache, cache_index=i)
+        np.testing.assert_allclose(out[:, 0], full[:, i], atol=1e-5)
+
+
+def test_fixed_memory_cache_equals_projecting_the_memory():
+    ours, _, query, value = copied_pair(seed=5)
+    memory = ours.project_key_value(value)
+    out, _ = ours(query, None, cache=memory)
+    np.testing.assert_allclose(out, ours(query, value), atol=1e-6)
+
+
+def test_causal_mask_formula():
+    mask = np.asarray(causal_mask(3, 5, query_offset=2))[0]
+    expected = np.array([[j <= i + 2 for j in range(5)] for i in range(3)])
+    np.testing.assert_array_equal(mask, expected)
+
+
+def test_d_model_not_divisible_by_heads_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"d_model \(10.*divisible by num_heads \(4\)"):
+        MultiHeadAttention(4)(np.zeros((1, 3, 10), "float32"), np.zeros((1, 3, 10), "float32"))
+
+
+def test_mask_of_the_wrong_rank_is_a_clear_error():
+    layer = MultiHeadAttention(2)
+    x = np.zeros((1, 3, 8), "float32")
+    with pytest.raises(ValueError, match="attention_mask must have rank 3.*got rank 2"):
+        layer(x, x, attention_mask=np.ones((1, 3), bool))
+
+
+def test_bad_constructor_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="num_heads"):
+        MultiHeadAttention(0)
+    with pytest.raises(ValueError, match="dropout_rate"):
+        MultiHeadAttention(2, dropout_rate=1.5)

@@ -1,0 +1,86 @@
+"""Positional encodings against the paper's formula and stated property; the tied embedding."""
+
+import math
+
+import numpy as np
+import pytest
+
+from keras_transformer import PositionalEncoding, SharedEmbedding
+
+
+def paper_formula(length, d_model, start=0):
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)), entry by entry."""
+    table = np.zeros((length, d_model))
+    for row, pos in enumerate(range(start, start + length)):
+        for i in range(0, d_model, 2):
+            angle = pos / 10000 ** (i / d_model)
+            table[row, i] = math.sin(angle)
+            if i + 1 < d_model:
+                table[row, i + 1] = math.cos(angle)
+    return table
+
+
+def encode(layer, length, d_model, start=0):
+    return np.asarray(layer(np.zeros((1, length, d_model), "float32"), start_index=start))[0]
+
+
+@pytest.mark.parametrize("d_model", [8, 64, 7])
+def test_sinusoids_equal_the_formula(d_model):
+    layer = PositionalEncoding()
+    np.testing.assert_allclose(encode(layer, 50, d_model), paper_formula(50, d_model), atol=2e-5)
+
+
+def test_start_index_continues_the_sequence():
+    layer = PositionalEncoding()
+    np.testing.assert_allclose(encode(layer, 4, 16, start=37), paper_formula(4, 16, start=37), atol=2e-5)
+
+
+def test_encoding_is_added_to_the_inputs():
+    x = np.random.default_rng(0).normal(size=(2, 6, 8)).astype("float32")
+    out = np.asarray(PositionalEncoding()(x))
+    np.testing.assert_allclose(out - x, np.broadcast_to(paper_formula(6, 8), x.shape), atol=2e-5)
+
+
+@pytest.mark.parametrize("k", [1, 5, 17])
+def test_pe_of_pos_plus_k_is_a_fixed_linear_map_of_pe_of_pos(k):
+    """The paper's reason for sinusoids: PE(pos + k) = M_k PE(pos), M_k independent of pos.
+
+    M_k is a block-diagonal rotation by k * w_i in each (sin, cos) pair; build it
+    from the angle-addition formulas and check it maps every position.
+    """
+    d_model = 16
+    table = encode(PositionalEncoding(), 80 + k, d_model)
+    rotation = np.zeros((d_model, d_model))
+    for i in range(0, d_model, 2):
+        w = 1.0 / 10000 ** (i / d_model)
+        c, s = math.cos(k * w), math.sin(k * w)
+        # Row vector [sin a, cos a] times this block gives [sin(a + b), cos(a + b)]:
+        # sin(a + b) = sin a cos b + cos a sin b; cos(a + b) = cos a cos b - sin a sin b
+        rotation[i : i + 2, i : i + 2] = [[c, -s], [s, c]]
+    np.testing.assert_allclose(table[:80] @ rotation, table[k : 80 + k], atol=1e-4)
+
+
+def test_learned_positions_are_weights_indexed_by_position():
+    layer = PositionalEncoding(learned=True, max_length=20)
+    out = encode(layer, 5, 8, start=3)
+    assert len(layer.trainable_weights) == 1
+    np.testing.assert_allclose(out, np.asarray(layer.position_embeddings)[3:8], atol=1e-6)
+
+
+def test_shared_embedding_scales_lookups_and_ties_the_projection():
+    layer = SharedEmbedding(vocab_size=11, d_model=4)
+    ids = np.array([[1, 5, 10]])
+    embedded = np.asarray(layer(ids))
+    matrix = np.asarray(layer.embeddings)
+    np.testing.assert_allclose(embedded[0], matrix[[1, 5, 10]] * 2.0, atol=1e-6)  # sqrt(4) = 2
+    hidden = np.random.default_rng(0).normal(size=(1, 3, 4)).astype("float32")
+    logits = np.asarray(layer(hidden, reverse=True))
+    np.testing.assert_allclose(logits, hidden @ matrix.T, atol=1e-5)
+    assert len(layer.trainable_weights) == 1
+
+
+def test_bad_sizes_are_clear_errors():
+    with pytest.raises(ValueError, match="vocab_size"):
+        SharedEmbedding(0, 4)
+    with pytest.raises(ValueError, match="max_length"):
+        PositionalEncoding(max_length=-1)

@@ -1,0 +1,150 @@
+"""The encoder-decoder Transformer: masking, caching, sizes, precision, XLA and errors."""
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+from keras_transformer import DecoderLayer, Encoder, EncoderLayer, Transformer
+
+VOCAB = 40
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    keras.utils.set_random_seed(0)
+    model = Transformer.from_preset("tiny", vocab_size=VOCAB)
+    model.build()
+    return model
+
+
+def random_ids(shape, seed):
+    return np.random.default_rng(seed).integers(4, VOCAB, size=shape).astype("int32")
+
+
+def test_changing_later_target_tokens_never_changes_earlier_outputs(tiny_model):
+    source = random_ids((2, 6), 0)
+    target = random_ids((2, 8), 1)
+    logits = np.asarray(tiny_model((source, target)))
+    for i in range(7):
+        changed = target.copy()
+        changed[:, i + 1 :] = random_ids((2, 7 - i), 10 + i)
+        changed_logits = np.asarray(tiny_model((source, changed)))
+        np.testing.assert_allclose(changed_logits[:, : i + 1], logits[:, : i + 1], atol=1e-5)
+        assert not np.allclose(changed_logits[:, i + 1 :], logits[:, i + 1 :])
+
+
+def test_changing_padded_source_positions_never_changes_any_output():
+    keras.utils.set_random_seed(1)
+    encoder = Encoder(num_layers=2, d_model=16, num_heads=4, d_ff=32)
+    decoder_layer = DecoderLayer(16, 4, 32)
+    rng = np.random.default_rng(0)
+    source = rng.normal(size=(2, 7, 16)).astype("float32")
+    target = rng.normal(size=(2, 5, 16)).astype("float32")
+    mask = np.ones((2, 7), bool)
+    mask[0, 4:] = False
+    mask[1, 6:] = False
+    changed = source.copy()
+    changed[~mask] = rng.normal(size=changed[~mask].shape)
+
+    def run(src):
+        memory = encoder(src, padding_mask=mask)
+        return np.asarray(memory), np.asarray(decoder_layer(target, memory, mask))
+
+    memory, decoded = run(source)
+    changed_memory, changed_decoded = run(changed)
+    np.testing.assert_allclose(changed_memory[mask], memory[mask], atol=1e-5)
+    np.testing.assert_allclose(changed_decoded, decoded, atol=1e-5)
+
+
+def test_extra_source_padding_does_not_change_the_logits(tiny_model):
+    source = random_ids((2, 6), 2)
+    target = random_ids((2, 4), 3)
+    padded = np.concatenate([source, np.zeros((2, 5), "int32")], axis=1)
+    np.testing.assert_allclose(tiny_model((padded, target)), tiny_model((source, target)), atol=1e-5)
+
+
+def test_incremental_decoding_gives_the_logits_of_the_full_decoder(tiny_model):
+    source = random_ids((3, 9), 4)
+    source[1, 6:] = 0  # a padded row
+    target = random_ids((3, 7), 5)
+    full = np.asarray(tiny_model((source, target)))
+    encoder_outputs, source_mask = tiny_model.encode(source)
+    cache = tiny_model.init_cache(encoder_outputs, max_length=10)
+    for i in range(7):
+        logits, cache = tiny_model.decode_step(target[:, i : i + 1], cache, i, source_mask)
+        np.testing.assert_allclose(logits[:, 0], full[:, i], atol=1e-4)
+
+
+def expected_parameter_count(vocab, layers, d_model, d_ff):
+    """Counted from the paper's architecture, independently of the code."""
+    attention = 4 * (d_model * d_model + d_model)  # W_Q, W_K, W_V, W_O with biases
+    feed_forward = d_model * d_ff + d_ff + d_ff * d_model + d_model
+    norm = 2 * d_model
+    encoder_layer = attention + feed_forward + 2 * norm
+    decoder_layer = 2 * attention + feed_forward + 3 * norm
+    return vocab * d_model + layers * (encoder_layer + decoder_layer)  # one shared embedding
+
+
+@pytest.mark.parametrize(
+    "preset, layers, d_model, d_ff, expected",
+    [("base", 6, 512, 2048, 63_082_496), ("big", 6, 1024, 4096, 214_245_376)],
+)
+def test_parameter_counts_of_the_paper_presets(preset, layers, d_model, d_ff, expected):
+    model = Transformer.from_preset(preset, vocab_size=37000)
+    model.build()
+    assert model.count_params() == expected_parameter_count(37000, layers, d_model, d_ff) == expected
+    # The paper reports 65M (base) and 213M (big); see README "Parameter counts".
+    assert abs(model.count_params() - {"base": 65e6, "big": 213e6}[preset]) / 1e6 < 2.5
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_keeps_logits_and_attention_in_float32(policy):
+    model = Transformer.from_preset("tiny", vocab_size=VOCAB, dtype=policy)
+    source, target = random_ids((2, 6), 6), random_ids((2, 5), 7)
+    logits = model((source, target))
+    assert logits.dtype == "float32"
+    assert np.all(np.isfinite(logits))
+    layer = model.encoder.blocks[0]
+    assert layer.compute_dtype == policy.split("_")[1]
+    x = keras.ops.cast(np.ones((2, 6, 32)), layer.compute_dtype)
+    _, scores = layer(x, padding_mask=np.ones((2, 6), bool), return_attention_scores=True)
+    assert scores.dtype == "float32"
+    np.testing.assert_allclose(np.sum(scores, axis=-1), 1.0, atol=1e-5)
+
+
+def test_jit_compiled_forward_equals_eager(tiny_model):
+    source, target = random_ids((2, 6), 8), random_ids((2, 5), 9)
+    compiled = tf.function(lambda s, t: tiny_model((s, t)), jit_compile=True)
+    np.testing.assert_allclose(compiled(source, target), tiny_model((source, target)), atol=1e-5)
+
+
+def test_keras_fit_with_jit_compile_lowers_the_loss():
+    keras.utils.set_random_seed(2)
+    model = Transformer.from_preset("tiny", vocab_size=VOCAB, dropout_rate=0.0)
+    model.compile(
+        optimizer=keras.optimizers.Adam(3e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    source = random_ids((16, 6), 10)
+    target = source[:, ::-1].copy()  # learn to reverse
+    decoder_inputs = np.concatenate([np.full((16, 1), 2, "int32"), target[:, :-1]], axis=1)
+    history = model.fit((source, decoder_inputs), target, epochs=15, batch_size=16, verbose=0)
+    losses = history.history["loss"]
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_bad_inputs_get_clear_errors(tiny_model):
+    with pytest.raises(ValueError, match=r"d_model \(30\) must be divisible by num_heads \(4\)"):
+        Transformer(vocab_size=10, d_model=30, num_heads=4)
+    with pytest.raises(ValueError, match=r"d_model \(30\) must be divisible by num_heads \(4\)"):
+        EncoderLayer(30, 4, 64)
+    with pytest.raises(ValueError, match="Unknown preset 'huge'"):
+        Transformer.from_preset("huge", vocab_size=10)
+    with pytest.raises(ValueError, match="source_ids must be \\[batch, length\\]"):
+        tiny_model((np.zeros((2, 3, 1), "int32"), np.zeros((2, 3), "int32")))
+    with pytest.raises(ValueError, match="expects inputs \\(source_ids, decoder_input_ids\\)"):
+        tiny_model(np.zeros((2, 3), "int32"))
+    with pytest.raises(ValueError, match="d_model=16"):
+        EncoderLayer(16, 4, 32)(np.zeros((1, 3, 8), "float32"))

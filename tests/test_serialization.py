@@ -1,0 +1,107 @@
+"""Configs and `.keras` files round-trip; the layers work inside someone else's Keras model."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import keras
+
+from keras_transformer import (
+    Decoder,
+    DecoderLayer,
+    Encoder,
+    EncoderLayer,
+    FeedForward,
+    MultiHeadAttention,
+    PositionalEncoding,
+    SharedEmbedding,
+    Transformer,
+)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        MultiHeadAttention(4, key_dim=8, dropout_rate=0.1, use_bias=False),
+        PositionalEncoding(learned=True, max_length=64),
+        SharedEmbedding(100, 16),
+        FeedForward(16, 32, activation="gelu"),
+        EncoderLayer(16, 4, 32, dropout_rate=0.2, norm_first=True),
+        DecoderLayer(16, 4, 32, layer_norm_epsilon=1e-5),
+        Encoder(num_layers=2, d_model=16, num_heads=4, d_ff=32, norm_first=True),
+        Decoder(num_layers=3, d_model=16, num_heads=2, d_ff=32),
+        Transformer(vocab_size=50, num_layers=1, d_model=16, num_heads=2, d_ff=32, learned_positions=True),
+    ],
+    ids=lambda layer: type(layer).__name__,
+)
+def test_config_round_trips(layer):
+    serialized = keras.saving.serialize_keras_object(layer)
+    restored = keras.saving.deserialize_keras_object(serialized)
+    assert type(restored) is type(layer)
+    assert restored.get_config() == layer.get_config()
+
+
+def encoder_classifier(vocab=30, length=12, d_model=16):
+    """Someone's functional model: embeddings, two of our encoder layers, pooling, a classifier."""
+    ids = keras.Input((length,), dtype="int32")
+    x = keras.layers.Embedding(vocab, d_model, mask_zero=True)(ids)
+    x = PositionalEncoding()(x)
+    x = EncoderLayer(d_model, 4, 32, dropout_rate=0.0)(x)
+    x = EncoderLayer(d_model, 4, 32, dropout_rate=0.0)(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(ids, keras.layers.Dense(2)(x))
+
+
+def parity_task(n=256, vocab=30, length=12, seed=0):
+    """Label: whether token 7 occurs in the (padded) sequence."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(8, vocab, size=(n, length))
+    lengths = rng.integers(4, length + 1, size=n)
+    ids[np.arange(length)[None, :] >= lengths[:, None]] = 0
+    labels = rng.integers(0, 2, size=n)
+    positions = (rng.random(n) * (lengths - 1)).astype(int)
+    ids[labels == 1, positions[labels == 1]] = 7
+    return ids.astype("int32"), labels
+
+
+def test_layers_train_inside_a_functional_model_and_save(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = encoder_classifier()
+    model.compile(keras.optimizers.Adam(3e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ids, labels = parity_task()
+    losses = model.fit(ids, labels, epochs=8, batch_size=32, verbose=0).history["loss"]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+    path = tmp_path / "classifier.keras"
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    np.testing.assert_allclose(restored.predict(ids, verbose=0), model.predict(ids, verbose=0), atol=1e-5)
+
+
+def test_transformer_round_trips_through_a_keras_file_in_a_new_process(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = Transformer.from_preset("tiny", vocab_size=60, norm_first=True)
+    rng = np.random.default_rng(0)
+    source = rng.integers(1, 60, size=(3, 7)).astype("int32")
+    target = rng.integers(1, 60, size=(3, 5)).astype("int32")
+    expected = np.asarray(model((source, target)))
+    model.save(tmp_path / "model.keras")
+    np.savez(tmp_path / "inputs.npz", source=source, target=target, expected=expected)
+
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, keras
+        import keras_transformer  # registers the layers
+        data = np.load({str(tmp_path / 'inputs.npz')!r})
+        model = keras.saving.load_model({str(tmp_path / 'model.keras')!r})
+        assert type(model).__name__ == "Transformer", type(model)
+        got = np.asarray(model((data["source"], data["target"])))
+        np.testing.assert_allclose(got, data["expected"], atol=1e-6)
+        print("same outputs")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "same outputs" in result.stdout
