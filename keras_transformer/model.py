@@ -48,8 +48,10 @@ class _Stack(keras.layers.Layer):
         self.norm_first = norm_first
         self.layer_norm_epsilon = layer_norm_epsilon
         self.activation = activation
-        self.blocks = [
-            self.layer_class(
+        # One attribute per layer, not a list: TensorFlow checkpoints (tf.train.Checkpoint)
+        # do not see layers that Keras 3 holds in Python lists.
+        for i in range(num_layers):
+            block = self.layer_class(
                 d_model,
                 num_heads,
                 d_ff,
@@ -60,13 +62,17 @@ class _Stack(keras.layers.Layer):
                 name=f"layer_{i}",
                 dtype=self.dtype_policy,
             )
-            for i in range(num_layers)
-        ]
+            setattr(self, f"layer_{i}", block)
         self.final_norm = None
         if norm_first:
             self.final_norm = keras.layers.LayerNormalization(
                 epsilon=layer_norm_epsilon, name="final_norm", dtype=self.dtype_policy
             )
+
+    @property
+    def blocks(self):
+        """The `num_layers` layers, bottom first."""
+        return [getattr(self, f"layer_{i}") for i in range(self.num_layers)]
 
     def _build_final_norm(self, inputs_shape):
         if self.final_norm is not None:

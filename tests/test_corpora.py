@@ -1,0 +1,215 @@
+"""Tests of parallel corpus loading (keras_transformer.corpora)."""
+
+import functools
+import gzip
+import http.server
+import threading
+import time
+import warnings
+
+import pytest
+
+from keras_transformer import corpora
+from keras_transformer.corpora import (
+    CorpusError,
+    DatasetUnavailableError,
+    find_multi30k_dir,
+    load_corpus,
+    load_multi30k,
+    load_text_corpus,
+    read_parallel_files,
+)
+
+_TINY_MULTI30K = {
+    "train": (["A dog.", "Two cats."], ["Ein Hund.", "Zwei Katzen."]),
+    "val": (["A bird."], ["Ein Vogel."]),
+    "test_2016_flickr": (["A horse."], ["Ein Pferd."]),
+}
+
+
+def _write_tiny_multi30k(directory, compress=False):
+    """Writes `_TINY_MULTI30K` as Multi30k-named files (gzipped with `.gz` if asked)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for stem, (english, german) in _TINY_MULTI30K.items():
+        for lang, lines in (("en", english), ("de", german)):
+            data = "".join(line + "\n" for line in lines).encode("utf-8")
+            if compress:
+                (directory / f"{stem}.{lang}.gz").write_bytes(gzip.compress(data))
+            else:
+                (directory / f"{stem}.{lang}").write_bytes(data)
+    return directory
+
+
+@pytest.fixture
+def no_multi30k_env(monkeypatch):
+    monkeypatch.delenv(corpora.MULTI30K_ENV, raising=False)
+
+
+def test_multi30k_splits_match_the_files(multi30k_dir):
+    corpus = load_multi30k(multi30k_dir)
+
+    sizes = (len(corpus.train), len(corpus.validation), len(corpus.test))
+    assert sizes == (29000, 1014, 1000)
+    assert (corpus.source_lang, corpus.target_lang) == ("en", "de")
+    english = (multi30k_dir / "test_2016_flickr.en").read_text(encoding="utf-8").splitlines()
+    german = (multi30k_dir / "test_2016_flickr.de").read_text(encoding="utf-8").splitlines()
+    assert corpus.test == [(en.strip(), de.strip()) for en, de in zip(english, german)]
+
+
+def test_multi30k_direction_can_be_reversed(multi30k_dir):
+    forward = load_multi30k(multi30k_dir)
+    backward = load_multi30k(multi30k_dir, source_lang="de", target_lang="en")
+
+    assert backward.validation == [(de, en) for en, de in forward.validation]
+
+
+def test_training_sentences_alternate_source_and_target(tmp_path):
+    corpus = load_multi30k(_write_tiny_multi30k(tmp_path))
+
+    assert list(corpus.training_sentences()) == ["A dog.", "Ein Hund.", "Two cats.", "Zwei Katzen."]
+
+
+def test_env_variable_is_used_and_explicit_dir_wins(tmp_path, monkeypatch):
+    from_env = _write_tiny_multi30k(tmp_path / "env")
+    explicit = _write_tiny_multi30k(tmp_path / "explicit")
+    monkeypatch.setenv(corpora.MULTI30K_ENV, str(from_env))
+
+    assert find_multi30k_dir() == from_env
+    assert find_multi30k_dir(explicit) == explicit
+
+
+def test_explicit_dir_without_files_names_what_is_missing(tmp_path, no_multi30k_env):
+    with pytest.raises(DatasetUnavailableError, match=r"lacks train\.en.*--data-dir"):
+        load_multi30k(tmp_path)
+
+
+def test_keras_cache_copy_is_used(tmp_path, no_multi30k_env, monkeypatch):
+    _write_tiny_multi30k(tmp_path / "datasets" / "multi30k")
+    monkeypatch.setattr(corpora, "MULTI30K_URL", "http://127.0.0.1:9")  # Must not be used.
+
+    corpus = load_multi30k(cache_dir=tmp_path)
+
+    assert corpus.validation == [("A bird.", "Ein Vogel.")]
+
+
+def test_failed_download_raises_one_clear_error_quickly(tmp_path, no_multi30k_env, monkeypatch):
+    monkeypatch.setattr(corpora, "MULTI30K_URL", "http://127.0.0.1:9")  # Nothing listens.
+    start = time.monotonic()
+
+    with pytest.raises(DatasetUnavailableError) as raised:
+        load_multi30k(cache_dir=tmp_path / "empty_cache")
+
+    assert time.monotonic() - start < 10
+    message = str(raised.value)
+    assert "--data-dir" in message and "MULTI30K_DIR" in message
+    assert "raw.githubusercontent.com/multi30k/dataset" in message
+    assert raised.value.__suppress_context__  # No urllib traceback chained.
+
+
+def test_download_fetches_and_unpacks_into_keras_cache(tmp_path, no_multi30k_env, monkeypatch):
+    served = _write_tiny_multi30k(tmp_path / "server", compress=True)
+    handler = functools.partial(_QuietHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(corpora, "MULTI30K_URL", f"http://127.0.0.1:{server.server_port}")
+    try:
+        corpus = load_multi30k(cache_dir=tmp_path / "cache")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    cached = tmp_path / "cache" / "datasets" / "multi30k"
+    assert sorted(path.name for path in cached.iterdir()) == sorted(
+        f"{stem}.{lang}" for stem in _TINY_MULTI30K for lang in ("en", "de")
+    )
+    assert corpus.train == [("A dog.", "Ein Hund."), ("Two cats.", "Zwei Katzen.")]
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("name", ["wmt14", "ted_pt_en"])
+def test_missing_tfds_data_raises_clear_error(name, tmp_path):
+    start = time.monotonic()
+
+    with pytest.raises(DatasetUnavailableError, match="--data-dir") as raised:
+        load_corpus(name, tmp_path / "no_tfds_data", download=False)
+
+    assert time.monotonic() - start < 30
+    assert str(tmp_path / "no_tfds_data") in str(raised.value)
+
+
+def test_tfds_corpus_maps_examples_to_pairs_in_the_asked_direction(tmp_path):
+    tfds = pytest.importorskip("tensorflow_datasets")
+
+    with tfds.testing.mock_data(num_examples=4):  # Random text, no files, no network.
+        forward = load_corpus("wmt14", tmp_path, download=False)
+        backward = load_corpus("wmt14", tmp_path, source_lang="de", target_lang="en")
+
+    assert (forward.source_lang, forward.target_lang) == ("en", "de")
+    assert len(forward.validation) == len(forward.test) == 4
+    assert all(isinstance(text, str) for pair in forward.validation for text in pair)
+    assert backward.validation == [(target, source) for source, target in forward.validation]
+    sentences = list(forward.training_sentences())
+    assert len(sentences) == 8 and all(isinstance(text, str) for text in sentences)
+
+
+def test_unknown_corpus_or_direction_is_rejected(multi30k_dir):
+    with pytest.raises(ValueError, match="Unknown corpus"):
+        load_corpus("europarl")
+    with pytest.raises(ValueError, match="translates between"):
+        load_multi30k(multi30k_dir, source_lang="en", target_lang="fr")
+
+
+def test_misaligned_files_name_both_files_and_counts(tmp_path):
+    source = tmp_path / "train.src"
+    target = tmp_path / "train.tgt"
+    source.write_text("one\ntwo\nthree\n", encoding="utf-8")
+    target.write_text("eins\nzwei\n", encoding="utf-8")
+
+    with pytest.raises(CorpusError) as raised:
+        read_parallel_files(source, target)
+
+    message = str(raised.value)
+    assert str(source) in message and str(target) in message
+    assert "3 lines" in message and "has 2" in message
+
+
+def test_empty_and_invalid_lines_skip_their_pair_with_one_warning(tmp_path):
+    source = tmp_path / "s.txt"
+    target = tmp_path / "t.txt"
+    source.write_bytes(b"one\n\nthree\nf\xffour\nfive\n   \nseven")
+    target.write_bytes(b"eins\nzwei\ndr\xc3ei\nvier\n\nsechs\r\nsieben\r\n")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pairs = read_parallel_files(source, target)
+
+    assert pairs == [("one", "eins"), ("seven", "sieben")]
+    assert len(caught) == 1
+    assert "Skipped 5 of 7 pairs" in str(caught[0].message)
+    assert "3 with an empty side, 2 not valid UTF-8" in str(caught[0].message)
+
+
+def test_clean_files_load_without_warning(tmp_path):
+    paths = {}
+    for split, lines in (("train", ("a b", "c d")), ("dev", ("e f",))):
+        for side, text in (("src", "\n".join(lines)), ("tgt", "\n".join(lines).upper())):
+            paths[split, side] = tmp_path / f"{split}.{side}"
+            paths[split, side].write_text(text, encoding="utf-8")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        corpus = load_text_corpus(
+            (paths["train", "src"], paths["train", "tgt"]),
+            validation=(paths["dev", "src"], paths["dev", "tgt"]),
+            source_lang="xx",
+            target_lang="yy",
+        )
+
+    assert corpus.train == [("a b", "A B"), ("c d", "C D")]
+    assert corpus.validation == [("e f", "E F")]
+    assert corpus.test == []
+    assert (corpus.source_lang, corpus.target_lang) == ("xx", "yy")

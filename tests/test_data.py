@@ -1,0 +1,190 @@
+"""Tests of the tf.data pipelines (keras_transformer.data).
+
+Expected contents are computed independently: with the Python `sentencepiece` package on
+the tokenizer's model proto, and the length rules written out in plain Python.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+import sentencepiece
+import tensorflow as tf
+
+from keras_transformer.corpora import load_multi30k
+from keras_transformer.data import (
+    bucket_batch_sizes,
+    bucket_boundaries,
+    make_training_dataset,
+    make_translation_dataset,
+)
+from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+BUDGET = 600
+MAX_LENGTH = 24  # Short enough that some Multi30k pairs are too long.
+
+
+@pytest.fixture(scope="module")
+def pairs(multi30k_dir):
+    """3000 Multi30k training pairs plus pairs with an empty side (which are dropped)."""
+    return load_multi30k(multi30k_dir).train[:3000] + [("", "Leer."), ("Empty.", " ")]
+
+
+@pytest.fixture(scope="module")
+def encode(multi30k_tokenizer):
+    """Python reference tokenization, not using tensorflow-text."""
+    processor = sentencepiece.SentencePieceProcessor(model_proto=multi30k_tokenizer.model_proto)
+    return processor.encode
+
+
+def _expected_pairs(pairs, encode, truncate=False):
+    """Multiset of (source tokens, target tokens) the pipeline must yield, BOS/EOS excluded."""
+    kept = collections.Counter()
+    for source, target in pairs:
+        source_ids, target_ids = encode(source), encode(target)
+        if truncate:
+            source_ids, target_ids = source_ids[: MAX_LENGTH - 1], target_ids[: MAX_LENGTH - 1]
+        fits = len(source_ids) < MAX_LENGTH and len(target_ids) < MAX_LENGTH
+        if source_ids and target_ids and fits:
+            kept[tuple(source_ids), tuple(target_ids)] += 1
+    return kept
+
+
+def _unpad(row):
+    length = int(np.count_nonzero(row != PAD_ID))
+    assert (row[length:] == PAD_ID).all(), "padding must only trail"
+    return row[:length].tolist()
+
+
+def _yielded_pairs(dataset):
+    """Checks every batch's structure and budget; returns the multiset of pairs yielded."""
+    yielded = collections.Counter()
+    for (source, decoder_inputs), labels in dataset.as_numpy_iterator():
+        assert source.dtype == decoder_inputs.dtype == labels.dtype == np.int32
+        assert decoder_inputs.shape == labels.shape
+        assert source.shape[0] * source.shape[1] <= BUDGET
+        assert labels.shape[0] * labels.shape[1] <= BUDGET
+        assert max(source.shape[1], labels.shape[1]) <= MAX_LENGTH
+        for source_row, decoder_row, label_row in zip(source, decoder_inputs, labels):
+            source_ids, decoder_ids, label_ids = map(_unpad, (source_row, decoder_row, label_row))
+            assert source_ids[-1] == EOS_ID and label_ids[-1] == EOS_ID
+            assert decoder_ids == [BOS_ID] + label_ids[:-1]
+            yielded[tuple(source_ids[:-1]), tuple(label_ids[:-1])] += 1
+    return yielded
+
+
+def test_batches_hold_each_kept_pair_once_within_budget(pairs, encode, multi30k_tokenizer):
+    dataset = make_training_dataset(
+        pairs, multi30k_tokenizer, token_budget=BUDGET, max_length=MAX_LENGTH, seed=1
+    )
+
+    expected = _expected_pairs(pairs, encode)
+    assert 0 < sum(expected.values()) < len(pairs) - 2  # Some pairs are too long.
+    assert _yielded_pairs(dataset) == expected
+
+
+def test_truncation_keeps_every_nonempty_pair_across_pools(pairs, encode, multi30k_tokenizer):
+    dataset = make_training_dataset(
+        pairs,
+        multi30k_tokenizer,
+        token_budget=BUDGET,
+        max_length=MAX_LENGTH,
+        long_sentences="truncate",
+        pool_size=700,  # Five pools, the last one partial.
+        seed=1,
+    )
+
+    expected = _expected_pairs(pairs, encode, truncate=True)
+    assert sum(expected.values()) == len(pairs) - 2
+    assert _yielded_pairs(dataset) == expected
+
+
+def test_string_dataset_input_and_sharding_split_the_pairs(pairs, encode, multi30k_tokenizer):
+    strings = tf.data.Dataset.from_tensor_slices(
+        ([source for source, _ in pairs], [target for _, target in pairs])
+    )
+    shards = [
+        _yielded_pairs(
+            make_training_dataset(
+                strings,
+                multi30k_tokenizer,
+                token_budget=BUDGET,
+                max_length=MAX_LENGTH,
+                input_context=tf.distribute.InputContext(2, pipeline, 2),
+            )
+        )
+        for pipeline in (0, 1)
+    ]
+
+    assert shards[0] and shards[1]
+    assert shards[0] + shards[1] == _expected_pairs(pairs, encode)
+
+
+def test_seed_makes_epochs_reproducible_and_each_epoch_reshuffles(pairs, multi30k_tokenizer):
+    def epochs(count):
+        dataset = make_training_dataset(
+            pairs[:1000], multi30k_tokenizer, token_budget=BUDGET, max_length=MAX_LENGTH, seed=7
+        )
+        return [[labels for _, labels in dataset.as_numpy_iterator()] for _ in range(count)]
+
+    first, second = epochs(2)
+    (again,) = epochs(1)
+
+    def same(a, b):
+        return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+    assert same(first, again)
+    assert not same(first, second)
+
+
+def test_default_budget_batches_are_large_and_not_mostly_padding(pairs, multi30k_tokenizer):
+    dataset = make_training_dataset(pairs, multi30k_tokenizer, seed=0)
+
+    real = padded = 0
+    for (source, _), labels in dataset.as_numpy_iterator():
+        assert source.size <= 4096 and labels.size <= 4096
+        real += np.count_nonzero(source) + np.count_nonzero(labels)
+        padded += source.size + labels.size
+
+    assert real / padded > 0.85
+
+
+def test_bucket_batch_sizes_fill_but_never_exceed_the_budget():
+    boundaries = bucket_boundaries(256)
+    sizes = bucket_batch_sizes(boundaries, 256, 4096)
+
+    assert boundaries == sorted(set(boundaries)) and boundaries[-1] <= 256
+    longest = [boundary - 1 for boundary in boundaries] + [256]
+    for size, length in zip(sizes, longest):
+        assert size * length <= 4096 < (size + 1) * length
+
+
+def test_budget_below_max_length_is_rejected(multi30k_tokenizer):
+    with pytest.raises(ValueError, match="token_budget"):
+        make_training_dataset([("a", "b")], multi30k_tokenizer, token_budget=100, max_length=128)
+
+
+def test_translation_batches_keep_order_and_round_trip(multi30k_dir, multi30k_tokenizer):
+    sources = [source for source, _ in load_multi30k(multi30k_dir).test]
+
+    batches = list(make_translation_dataset(sources, multi30k_tokenizer, batch_size=64))
+
+    assert [len(batch) for batch in batches] == [64] * 15 + [40]
+    restored = [
+        text.decode("utf-8")
+        for batch in batches
+        for text in multi30k_tokenizer.detokenize(batch).numpy()
+    ]
+    assert restored == sources
+    for batch in batches:
+        row_lengths = np.count_nonzero(batch.numpy(), axis=1)
+        assert (batch.numpy()[np.arange(len(batch)), row_lengths - 1] == EOS_ID).all()
+
+
+def test_translation_batches_truncate_long_sources(multi30k_tokenizer):
+    sources = ["A very long sentence " * 20, "Short."]
+
+    (batch,) = make_translation_dataset(sources, multi30k_tokenizer, max_length=10)
+
+    assert batch.shape[0] == 2 and batch.shape[1] == 10
+    assert batch.numpy()[0, -1] == EOS_ID

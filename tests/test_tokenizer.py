@@ -1,0 +1,182 @@
+"""Tests of the shared subword tokenizer (keras_transformer.tokenizer)."""
+
+import io
+
+import numpy as np
+import pytest
+import sentencepiece
+import tensorflow as tf
+
+from keras_transformer.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    SubwordTokenizer,
+    train_tokenizer,
+)
+
+
+def _lines(path):
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def _strings(tensor):
+    return [text.decode("utf-8") for text in tensor.numpy()]
+
+
+@pytest.mark.parametrize("language", ["en", "de"])
+def test_round_trip_restores_validation_text(multi30k_dir, multi30k_tokenizer, language):
+    originals = _lines(multi30k_dir / f"val.{language}")
+
+    restored = _strings(multi30k_tokenizer.detokenize(multi30k_tokenizer.tokenize(originals)))
+
+    share = np.mean([a == b for a, b in zip(restored, originals)])
+    print(f"round trip val.{language}: {share:.2%} of {len(originals)} lines identical")
+    assert len(restored) == len(originals)
+    assert share >= 0.99
+
+
+def test_vocabulary_has_requested_size_and_reserved_pieces(multi30k_dir):
+    sentences = _lines(multi30k_dir / "val.en") + _lines(multi30k_dir / "val.de")
+
+    tokenizer = train_tokenizer(sentences, vocab_size=1500)
+
+    assert tokenizer.vocab_size == 1500
+    assert sentencepiece.SentencePieceProcessor(
+        model_proto=tokenizer.model_proto
+    ).get_piece_size() == 1500
+    reserved = tokenizer.id_to_piece([PAD_ID, UNK_ID, BOS_ID, EOS_ID])
+    assert _strings(reserved) == ["<pad>", "<unk>", "<s>", "</s>"]
+
+
+def test_training_is_deterministic(multi30k_dir):
+    sentences = _lines(multi30k_dir / "val.en") + _lines(multi30k_dir / "val.de")
+
+    first = train_tokenizer(sentences, vocab_size=1000, max_sentences=1500, seed=3)
+    second = train_tokenizer(sentences, vocab_size=1000, max_sentences=1500, seed=3)
+
+    assert first.model_proto == second.model_proto
+
+
+def test_ids_match_python_sentencepiece_and_have_no_bos_eos(multi30k_dir, multi30k_tokenizer):
+    sentences = _lines(multi30k_dir / "val.de")[:200]
+    reference = sentencepiece.SentencePieceProcessor(model_proto=multi30k_tokenizer.model_proto)
+
+    ids = multi30k_tokenizer.tokenize(sentences)
+
+    assert ids.dtype == tf.int32
+    assert ids.to_list() == reference.encode(sentences)
+    special = np.isin(ids.flat_values.numpy(), [PAD_ID, BOS_ID, EOS_ID])
+    assert not special.any()
+
+
+def test_empty_and_whitespace_strings_give_empty_rows(multi30k_tokenizer):
+    ids = multi30k_tokenizer.tokenize(["", "   ", "\t", "A dog."])
+
+    assert ids.row_lengths().numpy()[:2].tolist() == [0, 0]
+    assert ids.row_lengths().numpy()[3] > 0
+
+
+def test_invalid_utf8_is_replaced_not_fatal(multi30k_tokenizer):
+    ids = multi30k_tokenizer.tokenize(tf.constant([b"bad \xff\xfe bytes", b"\xc3"]))
+
+    restored = [text.decode("utf-8") for text in multi30k_tokenizer.detokenize(ids).numpy()]
+
+    assert restored == ["bad \ufffd\ufffd bytes", "\ufffd"]
+
+
+def test_unseen_characters_fall_back_to_bytes_losslessly(multi30k_tokenizer):
+    text = "Ein Hund 🐕 läuft über 東京."
+
+    ids = multi30k_tokenizer.tokenize([text])
+    pieces = _strings(multi30k_tokenizer.id_to_piece(ids.flat_values))
+
+    assert UNK_ID not in ids.flat_values.numpy()
+    assert "<0xF0>" in pieces  # First byte of the dog emoji.
+    assert _strings(multi30k_tokenizer.detokenize(ids)) == [text]
+
+
+def test_detokenize_dense_ids_stops_at_eos_and_skips_padding(multi30k_tokenizer):
+    texts = ["A dog runs.", "Zwei Katzen schlafen."]
+    rows = multi30k_tokenizer.tokenize(texts).to_list()
+    garbage = rows[0][:2]
+    width = max(len(row) for row in rows) + 6
+    dense = [
+        ([BOS_ID] + row + [EOS_ID] + garbage + [PAD_ID] * width)[:width] for row in rows
+    ]
+
+    assert _strings(multi30k_tokenizer.detokenize(tf.constant(dense))) == texts
+    assert _strings(multi30k_tokenizer.detokenize(tf.ragged.constant(dense))) == texts
+    assert multi30k_tokenizer.detokenize(tf.constant(dense[1])).numpy().decode() == texts[1]
+
+
+def test_methods_work_inside_tf_function(multi30k_tokenizer):
+    @tf.function
+    def round_trip(strings):
+        return multi30k_tokenizer.detokenize(multi30k_tokenizer.tokenize(strings))
+
+    assert _strings(round_trip(tf.constant(["Ein Mann fährt Fahrrad."]))) == [
+        "Ein Mann fährt Fahrrad."
+    ]
+
+
+def test_save_and_load_file(multi30k_tokenizer, tmp_path):
+    path = tmp_path / "run" / "tokenizer.model"
+
+    multi30k_tokenizer.save(path)
+    loaded = SubwordTokenizer.load(path)
+
+    assert loaded.model_proto == multi30k_tokenizer.model_proto
+    assert loaded.vocab_size == multi30k_tokenizer.vocab_size
+    text = ["Eine Frau mit einem roten Hut."]
+    assert loaded.tokenize(text).to_list() == multi30k_tokenizer.tokenize(text).to_list()
+
+
+class _Exported(tf.Module):
+    """A module that serves tokenization, as an exported translator would."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string)])
+    def tokenize(self, strings):
+        return self.tokenizer.tokenize(strings).to_tensor(default_value=PAD_ID)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32)])
+    def detokenize(self, ids):
+        return self.tokenizer.detokenize(ids)
+
+
+def test_tokenizer_survives_saved_model_round_trip(multi30k_tokenizer, tmp_path):
+    texts = tf.constant(["A man in a blue shirt.", "Kinder spielen im Park.", ""])
+    expected = multi30k_tokenizer.tokenize(texts).to_tensor(default_value=PAD_ID)
+    tf.saved_model.save(_Exported(multi30k_tokenizer), str(tmp_path / "saved"))
+
+    restored = tf.saved_model.load(str(tmp_path / "saved"))
+
+    np.testing.assert_array_equal(restored.tokenize(texts).numpy(), expected.numpy())
+    assert restored.detokenize(expected).numpy().tolist() == texts.numpy().tolist()
+
+
+def test_rejects_model_with_other_reserved_ids(multi30k_dir):
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_lines(multi30k_dir / "val.en")),
+        model_writer=model,
+        vocab_size=500,
+        minloglevel=2,
+    )  # SentencePiece's defaults: unk=0, bos=1, eos=2, no pad.
+
+    with pytest.raises(ValueError, match="reserved ids"):
+        SubwordTokenizer(model.getvalue())
+
+
+def test_tokenizer_survives_global_reseeding(multi30k_tokenizer):
+    text = ["Ein Hund rennt über die Wiese."]
+    before = multi30k_tokenizer.tokenize(text).to_list()
+
+    tf.random.set_seed(1)  # Clears TensorFlow's eager kernel cache (as Keras seeding does).
+
+    assert multi30k_tokenizer.tokenize(text).to_list() == before
