@@ -4,12 +4,18 @@ Layout:
 
     RUN/config.json          {"model": Transformer config, "data": {...}, "train": {...}}
     RUN/tokenizer.model      the shared subword vocabulary (SentencePiece proto)
-    RUN/checkpoints/ckpt-N*  tf.train.Checkpoint(model, optimizer, step), the last K kept
-    RUN/averaged/ckpt-1*     tf.train.Checkpoint(model) of the averaged last checkpoints
-    RUN/logs/                TensorBoard event files
+    RUN/checkpoints/ckpt-N*  tf.train.Checkpoint(model, optimizer, step) after step N, the last K kept
+    RUN/averaged/ckpt-N*     tf.train.Checkpoint(model): the mean of the last checkpoints up to step N
+    RUN/logs/                TensorBoard event files (train/, validation/)
+    RUN/translations/        final translations of the test split, one line per sentence
+
+Checkpoint averaging (section 6.1: the mean of the last 5 checkpoints for base models,
+20 for big ones) smooths the noise of the last updates; `average_checkpoints` writes it,
+and `checkpoint_path(run_dir, "best")` prefers it unless training has gone past it.
 """
 
 import json
+import re
 from pathlib import Path
 
 import tensorflow as tf
@@ -21,6 +27,8 @@ TOKENIZER_FILE = "tokenizer.model"
 CHECKPOINT_DIR = "checkpoints"
 AVERAGED_DIR = "averaged"
 LOG_DIR = "logs"
+TRANSLATIONS_DIR = "translations"
+CHECKPOINT_NAME = "ckpt"
 
 # The Transformer arguments kept in config.json["model"].
 MODEL_KEYS = (
@@ -61,6 +69,22 @@ def read_config(run_dir):
     return json.loads(path.read_text())
 
 
+def check_checkpointable(model):
+    """Raises RunDirError unless `tf.train.Checkpoint(model=model)` reaches every weight.
+
+    Keras 3 does not expose layers held in Python lists to TensorFlow checkpoints; their
+    weights would silently be left out of checkpoints and left random on restore.
+    """
+    reachable = {id(trackable) for trackable in tf.train.TrackableView(model).descendants()}
+    missing = [weight.path for weight in model.weights if id(weight) not in reachable]
+    if missing:
+        raise RunDirError(
+            f"tf.train.Checkpoint(model=...) would leave out {len(missing)} of {len(model.weights)} weights of "
+            f"this {type(model).__name__} (e.g. {missing[0]}): Keras does not track layers kept in Python "
+            "lists for TensorFlow checkpoints; assign each such layer to an attribute as well."
+        )
+
+
 def build_model(run_dir, dtype=None):
     """A `Transformer` with the architecture of `run_dir`, built, with fresh weights."""
     kwargs = read_config(run_dir)["model"]
@@ -68,25 +92,81 @@ def build_model(run_dir, dtype=None):
         kwargs = {**kwargs, "dtype": dtype}
     model = Transformer(**kwargs)
     model.build()
+    check_checkpointable(model)
     return model
 
 
 def checkpoint_path(run_dir, which="best"):
-    """The checkpoint prefix for `which`: "latest", "averaged", "best" (averaged if present, else latest) or a path."""
+    """The checkpoint prefix for `which`.
+
+    Args:
+        run_dir: The run directory.
+        which: "latest"; "averaged"; "best": the averaged checkpoint unless a later
+            checkpoint was written after it (training went on), else the latest; or a
+            checkpoint path, returned as it is.
+
+    Raises:
+        RunDirError: When the asked checkpoint does not exist.
+    """
     run_dir = Path(run_dir)
-    if which in ("best", "averaged"):
-        averaged = tf.train.latest_checkpoint(str(run_dir / AVERAGED_DIR))
-        if averaged or which == "averaged":
-            if not averaged:
-                raise RunDirError(f"{run_dir} has no averaged checkpoint; average the checkpoints first.")
-            return averaged
-        which = "latest"
-    if which == "latest":
-        latest = tf.train.latest_checkpoint(str(run_dir / CHECKPOINT_DIR))
-        if not latest:
-            raise RunDirError(f"{run_dir} holds no checkpoint under {CHECKPOINT_DIR}/.")
-        return latest
-    return which
+    if which not in ("best", "averaged", "latest"):
+        return which
+    averaged = tf.train.latest_checkpoint(str(run_dir / AVERAGED_DIR))
+    latest = tf.train.latest_checkpoint(str(run_dir / CHECKPOINT_DIR))
+    if which == "averaged" and not averaged:
+        raise RunDirError(f"{run_dir} has no averaged checkpoint; average the checkpoints first.")
+    if which == "averaged" or (which == "best" and averaged and checkpoint_step(averaged) >= checkpoint_step(latest)):
+        return averaged
+    if not latest:
+        raise RunDirError(f"{run_dir} holds no checkpoint under {CHECKPOINT_DIR}/.")
+    return latest
+
+
+def checkpoint_step(path):
+    """The step N of a checkpoint prefix ".../ckpt-N" (-1 for None)."""
+    if path is None:
+        return -1
+    match = re.search(r"-(\d+)$", str(path))
+    if not match:
+        raise RunDirError(f"{path} is not a checkpoint prefix ending in -STEP.")
+    return int(match.group(1))
+
+
+def average_checkpoints(run_dir, last_n):
+    """Writes the mean of the weights of the last `last_n` checkpoints to `RUN/averaged/`.
+
+    Only trainable weights are averaged; other variables (dropout seed states) come from
+    the newest checkpoint. The averaged checkpoint is numbered by the newest step.
+
+    Args:
+        run_dir: The run directory.
+        last_n: How many of the latest kept checkpoints to average (fewer if fewer are kept).
+
+    Returns:
+        `(path of the averaged checkpoint, paths of the checkpoints averaged)`.
+
+    Raises:
+        RunDirError: When the run has no checkpoint, or `last_n < 1`.
+    """
+    if last_n < 1:
+        raise RunDirError(f"Cannot average the last {last_n} checkpoints; give a positive number.")
+    state = tf.train.get_checkpoint_state(str(Path(run_dir) / CHECKPOINT_DIR))
+    if state is None or not state.all_model_checkpoint_paths:
+        raise RunDirError(f"{run_dir} holds no checkpoint under {CHECKPOINT_DIR}/ to average.")
+    chosen = sorted(state.all_model_checkpoint_paths, key=checkpoint_step)[-last_n:]
+    model = build_model(run_dir)
+    checkpoint = tf.train.Checkpoint(model=model)
+    totals = None
+    for path in chosen:  # Oldest first: the non-averaged variables end up from the newest.
+        checkpoint.restore(path).expect_partial()
+        values = [variable.numpy().astype("float64") for variable in model.trainable_variables]
+        totals = values if totals is None else [total + value for total, value in zip(totals, values)]
+    for variable, total in zip(model.trainable_variables, totals):
+        variable.assign((total / len(chosen)).astype(variable.dtype))
+    manager = tf.train.CheckpointManager(
+        checkpoint, str(Path(run_dir) / AVERAGED_DIR), max_to_keep=1, checkpoint_name=CHECKPOINT_NAME
+    )
+    return manager.save(checkpoint_number=checkpoint_step(chosen[-1])), chosen
 
 
 def load_model(run_dir, which="best", dtype=None):

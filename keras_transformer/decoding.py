@@ -1,0 +1,481 @@
+"""Beam search and greedy decoding in TensorFlow ops, for `tf.function`, SavedModels and XLA.
+
+The paper decodes with beam search: beam size 4, length penalty alpha = 0.6 and a
+maximum output length of input length + 50 (Vaswani et al., 2017, section 6.1). The
+length penalty is GNMT's `((5 + length) / 6) ** alpha` (Wu et al., 2016, eq. 14), where
+`length` counts the generated tokens, EOS included.
+
+Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
+
+* `search` is the model-independent core: one `tf.while_loop` over one explicit state
+  (`BeamState`) holding the alive hypotheses (sequences, summed log-probs, decoding
+  cache) and, kept apart, the finished ones (sequences, length-penalized scores,
+  lengths, flags). Each step expands every alive beam by every token, keeps the best
+  `2 * beam_size` candidates, sends those that end in EOS (or reach the row's maximum
+  length) to the finished set and the best `beam_size` others to the alive set. Keeping
+  twice the beam as candidates keeps the alive set full when some candidates finish.
+* `beam_size=1` is greedy decoding through the same code: one candidate per step, the
+  argmax; decoding stops when it is EOS.
+* Scores are float32 whatever the model's dtype (logits are cast before the
+  log-softmax). "Minus infinity" is the finite `NEG_INF`: real -inf would make
+  `-inf - -inf` NaN, and `-dtype.max` would overflow to -inf when two are added.
+  Candidates scoring below `NEG_INF / 2` are impossible ones (beams not yet opened,
+  or rows that are done) and never become hypotheses.
+* Every row of a batch has its own maximum length (its source length + 50), and a
+  row's result does not depend on the other rows or on padding. The loop stops when
+  every row is done: a row is done when it reached its maximum length, or when no alive
+  beam can beat its `n_best`-th finished hypothesis even with the most favourable
+  length penalty still reachable (Model Garden's early stop, per row).
+* Shapes are fixed inside the loop: sequences live in a `[batch, beam, max_length + 1]`
+  buffer and the model's self-attention cache has a fixed size written in place, so
+  the cached search runs under `tf.function(jit_compile=True)` (as long as `beam_size`
+  is a Python int). The uncached path recomputes the growing prefix every step and
+  needs dynamic shapes, so it does not compile with XLA.
+
+`beam_search` is the thin wrapper for `keras_transformer.Transformer`: it runs the
+encoder once, projects the encoder memory once per decoder layer (`init_cache`), tiles
+both per beam, and feeds only the newest token each step (`decode_step`).
+"""
+
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+
+from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+# Score of impossible candidates and of empty n-best slots; see the module docstring.
+NEG_INF = -1e9
+_IMPOSSIBLE = NEG_INF / 2
+
+SymbolsToLogitsFn = Callable[[tf.Tensor, tf.Tensor, Any], tuple[tf.Tensor, Any]]
+
+
+class Hypotheses(NamedTuple):
+    """Decoded hypotheses, best first.
+
+    Attributes:
+        tokens: int32 `[batch, n_best, length]`: the generated ids, without the start
+            token, ending with EOS when one was generated, then padding. `length` is
+            the size of the decoding buffer (the batch's largest maximum length).
+        lengths: int32 `[batch, n_best]`: generated tokens, EOS included.
+        scores: float32 `[batch, n_best]`: summed token log-probabilities divided by
+            the length penalty `((5 + lengths) / 6) ** alpha`.
+
+    Slots without a hypothesis (only when `n_best` exceeds the number of possible
+    outputs) hold padding, length 0 and score `NEG_INF`. Without `n_best`, the `n_best`
+    axis is dropped: `tokens [batch, length]`, `lengths [batch]`, `scores [batch]`.
+    """
+
+    tokens: tf.Tensor
+    lengths: tf.Tensor
+    scores: tf.Tensor
+
+
+class BeamState(NamedTuple):
+    """The `tf.while_loop` state of `search`; `K` is the beam size, `T` the buffer length.
+
+    Attributes:
+        step: int32 scalar, position of the newest token in the sequences (0: the
+            start token only), which is also the number of tokens generated so far.
+        alive_seq: int32 `[batch, K, T + 1]`, start token first, padding after `step`.
+        alive_log_probs: float32 `[batch, K]`, summed log-probs, best first.
+        alive_cache: The decoding cache of the alive beams, tensors `[batch * K, ...]`.
+        finished_seq: int32 `[batch, K, T + 1]`, finished hypotheses, best first.
+        finished_scores: float32 `[batch, K]`, length-penalized, `NEG_INF` if empty.
+        finished_lengths: int32 `[batch, K]`, generated tokens, EOS included.
+        finished_flags: bool `[batch, K]`, whether the slot holds a hypothesis.
+    """
+
+    step: tf.Tensor
+    alive_seq: tf.Tensor
+    alive_log_probs: tf.Tensor
+    alive_cache: Any
+    finished_seq: tf.Tensor
+    finished_scores: tf.Tensor
+    finished_lengths: tf.Tensor
+    finished_flags: tf.Tensor
+
+
+def length_penalty(length, alpha):
+    """GNMT's length penalty `((5 + length) / 6) ** alpha`, float32.
+
+    Args:
+        length: Number of generated tokens (EOS included), int or tensor.
+        alpha: Strength; 0 disables the penalty, larger values favour longer outputs.
+
+    Returns:
+        float32 tensor of the shape of `length`.
+    """
+    length = tf.cast(length, tf.float32)
+    return tf.pow((5.0 + length) / 6.0, tf.cast(alpha, tf.float32))
+
+
+def expand_to_beams(tensor, beam_size):
+    """Repeats each batch row `beam_size` times: `[batch, ...]` -> `[batch * beam_size, ...]`.
+
+    Rows of one input are adjacent, the layout `search` uses for caches and for the
+    flat ids it passes to `symbols_to_logits_fn`.
+    """
+    return tf.repeat(tensor, beam_size, axis=0)
+
+
+def expand_to_beams_nest(nest, beam_size):
+    """`expand_to_beams` applied to every tensor of a nest."""
+    return tf.nest.map_structure(lambda t: expand_to_beams(t, beam_size), nest)
+
+
+def search(
+    symbols_to_logits_fn: SymbolsToLogitsFn,
+    initial_ids,
+    initial_cache,
+    max_decode_length,
+    *,
+    eos_id: int,
+    beam_size=4,
+    alpha=0.6,
+    row_max_lengths=None,
+    n_best=None,
+    pad_id: int = PAD_ID,
+) -> Hypotheses:
+    """Beam search with any scoring function (greedy decoding for `beam_size=1`).
+
+    Args:
+        symbols_to_logits_fn: `(ids, step, cache) -> (logits, new_cache)`. `ids` is
+            int32 `[batch * beam_size, max_decode_length + 1]` (rows of one input
+            adjacent), holding each beam's sequence up to position `step` (the newest
+            token; position 0 is the start token) and padding after it. `logits` are
+            the scores of the next token, `[batch * beam_size, vocab_size]` (any float
+            dtype; log-softmaxed here in float32). `cache` is `initial_cache` expanded
+            per beam and reordered to follow the beams; `new_cache` must have its
+            structure and shapes.
+        initial_ids: int32 `[batch]` start token of each row.
+        initial_cache: Nest of tensors `[batch, ...]`, or an empty nest.
+        max_decode_length: Most tokens any row may generate (the buffer length);
+            int or int32 scalar.
+        eos_id: The end-of-sequence id.
+        beam_size: Beams per row, int or int32 scalar (`>= 1`). With a tensor, shapes
+            become dynamic (fine in graph mode, not under XLA).
+        alpha: Length penalty strength, float or float32 scalar.
+        row_max_lengths: int32 `[batch]`, most tokens each row may generate (at most
+            `max_decode_length`); defaults to `max_decode_length` for every row. A
+            hypothesis reaching it without EOS is finished as it is.
+        n_best: Hypotheses to return per row (`<= beam_size`), int or int32 scalar;
+            `None` returns the best one without the `n_best` axis.
+        pad_id: Id written after the end of each sequence.
+
+    Returns:
+        `Hypotheses(tokens, lengths, scores)`, see there.
+    """
+    initial_ids = tf.cast(initial_ids, tf.int32)
+    batch_size = tf.shape(initial_ids)[0]
+    max_decode_length = tf.cast(max_decode_length, tf.int32)
+    if row_max_lengths is None:
+        row_max_lengths = tf.fill([batch_size], max_decode_length)
+    row_max_lengths = tf.cast(row_max_lengths, tf.int32)
+    if isinstance(beam_size, int) and isinstance(n_best, int) and not 1 <= n_best <= beam_size:
+        raise ValueError(f"n_best must be between 1 and beam_size ({beam_size}), got {n_best}.")
+    num_candidates = _num_candidates(beam_size)
+
+    def grow(state: BeamState) -> BeamState:
+        logits, cache = symbols_to_logits_fn(
+            _merge_beams(state.alive_seq), state.step, state.alive_cache
+        )
+        log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
+        vocab_size = tf.shape(log_probs)[-1]
+        log_probs = tf.reshape(log_probs, [batch_size, -1, vocab_size])  # [batch, beam, vocab]
+        candidate_log_probs = tf.reshape(
+            state.alive_log_probs[:, :, None] + log_probs, [batch_size, -1]
+        )
+        top_log_probs, top_indices = tf.math.top_k(candidate_log_probs, k=num_candidates)
+        top_beams = top_indices // vocab_size
+        top_tokens = top_indices % vocab_size
+        length = state.step + 1
+        top_seq = _write_tokens(
+            tf.gather(state.alive_seq, top_beams, batch_dims=1), top_tokens, length
+        )
+
+        possible = top_log_probs > _IMPOSSIBLE
+        complete = tf.logical_or(tf.equal(top_tokens, eos_id), (length >= row_max_lengths)[:, None])
+        alive = _select_alive(top_seq, top_log_probs, top_beams, complete, cache, beam_size)
+        new_scores = tf.where(
+            tf.logical_and(complete, possible),
+            top_log_probs / length_penalty(length, alpha),
+            NEG_INF,
+        )
+        finished = _merge_finished(state, top_seq, new_scores, length, beam_size)
+        return BeamState(length, *alive, *finished)
+
+    def should_continue(state: BeamState):
+        best_alive = state.alive_log_probs[:, 0]
+        # Alive beams finish at a length in [step + 1, row max]; the penalty is
+        # monotonic in the length, so its most favourable value is at an end.
+        best_penalty = tf.maximum(
+            length_penalty(state.step + 1, alpha), length_penalty(row_max_lengths, alpha)
+        )
+        worst_kept = state.finished_scores[:, (1 if n_best is None else n_best) - 1]
+        row_done = tf.reduce_any(
+            tf.stack(
+                [
+                    state.step >= row_max_lengths,
+                    best_alive <= _IMPOSSIBLE,
+                    worst_kept > best_alive / best_penalty,
+                ]
+            ),
+            axis=0,
+        )
+        return tf.logical_and(
+            state.step < max_decode_length, tf.logical_not(tf.reduce_all(row_done))
+        )
+
+    initial_state = _initial_state(initial_ids, initial_cache, max_decode_length, beam_size, pad_id)
+    (final,) = tf.while_loop(
+        should_continue,
+        lambda state: (grow(state),),
+        (initial_state,),
+        shape_invariants=(tf.nest.map_structure(_any_batch_size, initial_state),),
+    )
+    return _hypotheses(final, n_best, pad_id)
+
+
+def _num_candidates(beam_size):
+    """Candidates kept per step: twice the beam, so finishing ones leave it full; 1 for greedy."""
+    if isinstance(beam_size, int):
+        if beam_size < 1:
+            raise ValueError(f"beam_size must be at least 1, got {beam_size}.")
+        return 1 if beam_size == 1 else 2 * beam_size
+    return tf.where(tf.equal(beam_size, 1), 1, 2 * beam_size)
+
+
+def _initial_state(initial_ids, initial_cache, max_decode_length, beam_size, pad_id) -> BeamState:
+    batch_size = tf.shape(initial_ids)[0]
+    positions = tf.range(max_decode_length + 1)
+    first = tf.equal(positions, 0)[None, None, :]
+    sequences = tf.where(first, initial_ids[:, None, None], pad_id)
+    sequences = tf.tile(sequences, [1, beam_size, 1])
+    if isinstance(beam_size, int):
+        sequences = tf.ensure_shape(sequences, [None, beam_size, None])
+    zeros = tf.zeros([batch_size, beam_size], tf.float32)
+    # Only the first beam is open: the others would duplicate it.
+    alive_log_probs = zeros + tf.where(tf.range(beam_size) == 0, 0.0, NEG_INF)[None, :]
+    return BeamState(
+        step=tf.constant(0, tf.int32),
+        alive_seq=sequences,
+        alive_log_probs=alive_log_probs,
+        alive_cache=expand_to_beams_nest(initial_cache, beam_size),
+        finished_seq=sequences,
+        finished_scores=zeros + NEG_INF,
+        finished_lengths=tf.zeros([batch_size, beam_size], tf.int32),
+        finished_flags=tf.zeros([batch_size, beam_size], tf.bool),
+    )
+
+
+def _any_batch_size(tensor):
+    """The shape of `tensor` with the leading (batch or batch * beam) dimension unknown.
+
+    The body's reshapes do not always carry a static batch size through.
+    """
+    shape = tensor.shape
+    return shape if shape.rank == 0 else tf.TensorShape([None]).concatenate(shape[1:])
+
+
+def _merge_beams(tensor):
+    """`[batch, beam, ...]` -> `[batch * beam, ...]`."""
+    return tf.reshape(tensor, tf.concat([[-1], tf.shape(tensor)[2:]], axis=0))
+
+
+def _write_tokens(sequences, tokens, position):
+    """Writes `tokens [batch, n]` at `position` of `sequences [batch, n, T + 1]`."""
+    at_position = tf.equal(tf.range(tf.shape(sequences)[-1]), position)
+    return tf.where(at_position, tokens[:, :, None], sequences)
+
+
+def _gather_beams(flat, beam_indices, beam_size):
+    """Reorders a cache tensor `[batch * beam, ...]` to follow `beam_indices [batch, beam]`."""
+    per_row = tf.reshape(flat, tf.concat([[-1, beam_size], tf.shape(flat)[1:]], axis=0))
+    gathered = tf.gather(per_row, beam_indices, batch_dims=1)
+    return tf.ensure_shape(tf.reshape(gathered, tf.shape(flat)), flat.shape)
+
+
+def _select_alive(top_seq, top_log_probs, top_beams, complete, cache, beam_size):
+    """The best `beam_size` candidates that did not finish, with their reordered cache."""
+    open_log_probs = tf.where(complete, NEG_INF, top_log_probs)
+    alive_log_probs, chosen = tf.math.top_k(open_log_probs, k=beam_size)
+    alive_seq = tf.gather(top_seq, chosen, batch_dims=1)
+    parents = tf.gather(top_beams, chosen, batch_dims=1)
+    alive_cache = tf.nest.map_structure(lambda t: _gather_beams(t, parents, beam_size), cache)
+    return alive_seq, alive_log_probs, alive_cache
+
+
+def _merge_finished(state, top_seq, new_scores, length, beam_size):
+    """The best `beam_size` of the finished hypotheses and the newly finished candidates.
+
+    Older hypotheses come first, so on equal scores they are kept (`top_k` is stable).
+    """
+    scores = tf.concat([state.finished_scores, new_scores], axis=1)
+    flags = tf.concat([state.finished_flags, new_scores > _IMPOSSIBLE], axis=1)
+    sequences = tf.concat([state.finished_seq, top_seq], axis=1)
+    lengths = tf.concat([state.finished_lengths, tf.fill(tf.shape(new_scores), length)], axis=1)
+    finished_scores, chosen = tf.math.top_k(scores, k=beam_size)
+    return (
+        tf.gather(sequences, chosen, batch_dims=1),
+        finished_scores,
+        tf.gather(lengths, chosen, batch_dims=1),
+        tf.gather(flags, chosen, batch_dims=1),
+    )
+
+
+def _hypotheses(state: BeamState, n_best, pad_id) -> Hypotheses:
+    """The `n_best` finished hypotheses, empty slots blanked; squeezed for `n_best=None`."""
+    count = 1 if n_best is None else n_best
+    flags = state.finished_flags[:, :count]
+    tokens = tf.where(flags[:, :, None], state.finished_seq[:, :count, 1:], pad_id)
+    lengths = tf.where(flags, state.finished_lengths[:, :count], 0)
+    scores = tf.where(flags, state.finished_scores[:, :count], NEG_INF)
+    if n_best is None:
+        return Hypotheses(tokens[:, 0], lengths[:, 0], scores[:, 0])
+    return Hypotheses(tokens, lengths, scores)
+
+
+def beam_search(
+    model,
+    source_ids,
+    beam_size=4,
+    alpha=0.6,
+    max_extra_length=50,
+    max_length=None,
+    n_best=None,
+    use_cache=True,
+    eos_id=EOS_ID,
+    jit_compile=False,
+) -> Hypotheses:
+    """Translates a batch of source ids with a `Transformer` by beam search.
+
+    Greedy decoding is `beam_size=1`. Called eagerly, the search runs as a
+    `tf.function` traced once per model and option set (kept while the model lives;
+    options must then be Python values); inside a `tf.function` it adds its ops to
+    the caller's graph.
+
+    Args:
+        model: A `keras_transformer.Transformer` (any dtype policy).
+        source_ids: int `[batch, source_length]`, each row ending with EOS and padded
+            with `model.pad_id` (as `keras_transformer.data.make_translation_dataset`
+            makes them).
+        beam_size: Beams per sentence (the paper: 4); int, or int32 scalar in graph mode.
+        alpha: Length penalty strength (the paper: 0.6).
+        max_extra_length: Each row generates at most its source length (padding
+            excluded, EOS included) + this many tokens (the paper: 50).
+        max_length: Optional cap on generated tokens for all rows, int or int32 scalar.
+            With learned positional encodings, outputs are also capped at
+            `model.max_length`.
+        n_best: Hypotheses to return per row (`<= beam_size`); `None` returns only
+            the best, without the `n_best` axis.
+        use_cache: Feed only the newest token each step, reusing cached keys and
+            values (`Transformer.decode_step`); `False` recomputes the whole prefix
+            with `Transformer.decode` every step (same results, for comparison).
+        eos_id: End-of-sequence id (benchmarks pass an id the model never emits to
+            decode a fixed number of steps).
+        jit_compile: When called eagerly, compile the search with XLA (cached
+            decoding with an int `beam_size` only; compiled once per input shape).
+
+    Returns:
+        `Hypotheses(tokens, lengths, scores)`: with `n_best=None`, `tokens` int32
+        `[batch, length]` (no start token; EOS, then `PAD_ID` after it), `lengths`
+        int32 `[batch]` (EOS included) and `scores` float32 `[batch]`, the summed
+        log-probability divided by `((5 + lengths) / 6) ** alpha`. With `n_best`, each
+        gets an `n_best` axis after the batch axis, best first. Pass `tokens` to
+        `SubwordTokenizer.detokenize` to get text.
+    """
+    options = dict(
+        beam_size=beam_size,
+        alpha=alpha,
+        max_extra_length=max_extra_length,
+        max_length=max_length,
+        n_best=n_best,
+        use_cache=use_cache,
+        eos_id=eos_id,
+    )
+    if tf.executing_eagerly():
+        return _traced_search(model, jit_compile, **options)(tf.cast(source_ids, tf.int32))
+    return _search_transformer(model, source_ids, **options)
+
+
+def _search_transformer(
+    model, source_ids, *, beam_size, alpha, max_extra_length, max_length, n_best, use_cache, eos_id
+):
+    source_ids = tf.cast(source_ids, tf.int32)
+    encoder_outputs, source_mask = model.encode(source_ids, training=False)
+    source_lengths = tf.reduce_sum(tf.cast(source_mask, tf.int32), axis=1)
+    buffer_length = tf.shape(source_ids)[1] + max_extra_length
+    row_max_lengths = source_lengths + max_extra_length
+    caps = [] if max_length is None else [max_length]
+    if model.learned_positions:
+        caps.append(model.max_length)
+    for cap in caps:
+        buffer_length = tf.minimum(buffer_length, cap)
+        row_max_lengths = tf.minimum(row_max_lengths, cap)
+    buffer_length = tf.maximum(buffer_length, 1)
+    row_max_lengths = tf.maximum(row_max_lengths, 1)
+
+    beam_source_mask = expand_to_beams(source_mask, beam_size)
+    if use_cache:
+        layer_caches = model.init_cache(encoder_outputs, buffer_length)
+        memory = [expand_to_beams_nest(layer["cross"], beam_size) for layer in layer_caches]
+        initial_cache = [layer["self"] for layer in layer_caches]
+
+        def symbols_to_logits_fn(ids, step, self_caches):
+            newest = ids[:, step][:, None]
+            caches = [
+                {"self": own, "cross": cross}
+                for own, cross in zip(self_caches, memory, strict=True)
+            ]
+            logits, caches = model.decode_step(newest, caches, step, beam_source_mask)
+            return logits[:, -1], [layer["self"] for layer in caches]
+
+    else:
+        beam_encoder_outputs = expand_to_beams(encoder_outputs, beam_size)
+        initial_cache = ()
+
+        def symbols_to_logits_fn(ids, step, no_cache):
+            logits = model.decode(
+                ids[:, : step + 1], beam_encoder_outputs, beam_source_mask, training=False
+            )
+            return logits[:, -1], no_cache
+
+    initial_ids = tf.fill([tf.shape(source_ids)[0]], BOS_ID)
+    return search(
+        symbols_to_logits_fn,
+        initial_ids,
+        initial_cache,
+        buffer_length,
+        eos_id=eos_id,
+        beam_size=beam_size,
+        alpha=alpha,
+        row_max_lengths=row_max_lengths,
+        n_best=n_best,
+        pad_id=model.pad_id,
+    )
+
+
+# model -> {(jit_compile, options): tf.function}; entries go when the model does.
+_TRACED_SEARCHES = weakref.WeakKeyDictionary()
+
+
+def _traced_search(model, jit_compile, **options):
+    """The `tf.function` running `_search_transformer` for `model` and `options`, traced once."""
+    functions = _TRACED_SEARCHES.setdefault(model, {})
+    key = (jit_compile, tuple(sorted(options.items())))
+    if key not in functions:
+        model_ref = weakref.ref(model)  # the function must not keep the model alive
+
+        def run(source_ids):
+            return _search_transformer(model_ref(), source_ids, **options)
+
+        functions[key] = tf.function(
+            run,
+            input_signature=[tf.TensorSpec([None, None], tf.int32)],
+            jit_compile=jit_compile,
+            autograph=False,
+        )
+    return functions[key]

@@ -1,0 +1,166 @@
+"""Choosing a `tf.distribute.Strategy`, and the few facts about it the trainer needs.
+
+The trainer is written once for every strategy: per-replica batches come from
+`strategy.distribute_datasets_from_function` and the step runs under `strategy.run`.
+What differs is chosen here:
+
+* `TF_CONFIG` naming two or more tasks (chief/worker) -> `MultiWorkerMirroredStrategy`:
+  synchronous data parallelism across machines (each over its local GPUs).
+* an explicit `devices` list -> `MirroredStrategy` over them (one device:
+  `OneDeviceStrategy`). CPU devices beyond the first are logical devices split off the
+  one physical CPU (`split_cpu`), which is how the tests run two replicas on a CPU.
+* otherwise -> `MirroredStrategy` over all local GPUs, or `OneDeviceStrategy` on the only
+  GPU or on the CPU.
+
+`MultiWorkerMirroredStrategy` and `split_cpu` must run before TensorFlow initializes its
+devices, i.e. before any other TensorFlow op: call `make_strategy` first thing.
+"""
+
+import json
+import os
+import weakref
+
+import tensorflow as tf
+
+
+def split_cpu(num_devices):
+    """Splits the physical CPU into `num_devices` logical devices `/cpu:0 .. /cpu:N-1`.
+
+    They share the same cores, so this is for testing multi-replica code, not for speed.
+
+    Args:
+        num_devices: How many logical CPU devices to create.
+
+    Raises:
+        RuntimeError: If TensorFlow has already initialized its devices with another split.
+    """
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == num_devices:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_devices)]
+        )
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"Cannot split the CPU into {num_devices} devices: TensorFlow already initialized its "
+            f"devices ({error}). Create the strategy before running any TensorFlow op."
+        ) from None
+
+
+def cluster_task_count(tf_config=None):
+    """Number of chief and worker tasks named by `TF_CONFIG` (0 when it is unset).
+
+    Args:
+        tf_config: The JSON text of `TF_CONFIG`; defaults to the environment variable.
+    """
+    text = os.environ.get("TF_CONFIG", "") if tf_config is None else tf_config
+    if not text:
+        return 0
+    cluster = json.loads(text).get("cluster", {})
+    return len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+
+
+def make_strategy(devices=None):
+    """The strategy for this process; see the module docstring for the rules.
+
+    Args:
+        devices: Optional device names, e.g. `["GPU:0", "GPU:1"]` or `["CPU:0", "CPU:1"]`.
+            Ignored (must be None) under a multi-worker `TF_CONFIG`.
+
+    Returns:
+        A `tf.distribute.Strategy`.
+
+    Raises:
+        ValueError: For `devices` combined with a multi-worker `TF_CONFIG`.
+    """
+    if cluster_task_count() > 1:
+        if devices:
+            raise ValueError("--devices cannot be combined with a multi-worker TF_CONFIG.")
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    if devices:
+        devices = [_canonical_device(name) for name in devices]
+        cpu_count = sum(name.startswith("/cpu:") for name in devices)
+        if cpu_count > 1:
+            split_cpu(max(int(name.split(":")[1]) for name in devices if name.startswith("/cpu:")) + 1)
+    else:
+        gpus = tf.config.list_logical_devices("GPU")
+        devices = [gpu.name for gpu in gpus] or ["/cpu:0"]
+    if len(devices) == 1:
+        return tf.distribute.OneDeviceStrategy(devices[0])
+    return tf.distribute.MirroredStrategy(devices)
+
+
+def _canonical_device(name):
+    """'GPU:1', 'gpu:1' or '/device:GPU:1' -> '/gpu:1'."""
+    parts = name.strip().lower().replace("/device:", "").lstrip("/").split(":")
+    if len(parts) != 2 or parts[0] not in ("cpu", "gpu") or not parts[1].isdigit():
+        raise ValueError(f"Device {name!r} is not of the form CPU:N or GPU:N.")
+    return f"/{parts[0]}:{parts[1]}"
+
+
+def num_workers(strategy):
+    """How many processes (workers) train together under `strategy`."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    cluster = resolver.cluster_spec().as_dict()
+    return max(1, len(cluster.get("chief", [])) + len(cluster.get("worker", [])))
+
+
+def is_chief(strategy):
+    """Whether this process writes checkpoints, summaries and translations.
+
+    The chief is the "chief" task, or worker 0 when the cluster has no chief.
+    """
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or resolver.task_type is None:
+        return True
+    if resolver.task_type == "chief":
+        return True
+    has_chief = bool(resolver.cluster_spec().as_dict().get("chief"))
+    return resolver.task_type == "worker" and resolver.task_id == 0 and not has_chief
+
+
+def worker_index(strategy):
+    """This worker's position among the workers: 0 on the chief."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or resolver.task_type is None:
+        return 0
+    has_chief = bool(resolver.cluster_spec().as_dict().get("chief"))
+    if resolver.task_type == "chief":
+        return 0
+    return resolver.task_id + (1 if has_chief else 0)
+
+
+def any_worker(strategy, flag):
+    """Whether `flag` is true on any worker: a collective, so every worker must call it.
+
+    With a single worker this is `flag` itself, without any collective.
+
+    Args:
+        strategy: The strategy.
+        flag: This worker's Python bool.
+
+    Returns:
+        The same bool on every worker.
+    """
+    if num_workers(strategy) == 1:
+        return bool(flag)
+    if strategy not in _COUNT_TRUE:
+        _COUNT_TRUE[strategy] = tf.function(
+            lambda value: strategy.reduce(
+                tf.distribute.ReduceOp.SUM, strategy.run(tf.identity, args=(value,)), axis=None
+            )
+        )
+    return float(_COUNT_TRUE[strategy](tf.constant(float(flag)))) > 0.0
+
+
+# strategy -> tf.function summing a flag over all replicas (traced once per strategy).
+_COUNT_TRUE = weakref.WeakKeyDictionary()
+
+
+def barrier(strategy):
+    """Blocks until every worker got here (e.g. until the chief wrote shared files)."""
+    any_worker(strategy, False)

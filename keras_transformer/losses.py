@@ -1,0 +1,87 @@
+"""Masked, label-smoothed cross entropy and token accuracy, as sums and token counts.
+
+Why sums: batches are built to a token budget, so their number of real (non-pad)
+tokens varies, and under a distribution strategy each replica sees a different
+share of the global batch. The mean over the global batch is
+
+    sum of every replica's token losses / number of real tokens in the global batch,
+
+so each replica returns its sum and its count, and divides the sum by the count
+all-reduced with `sum_over_replicas`. Gradients of that, summed over the
+replicas (which the optimizer does), are exactly the gradients of the global mean,
+whatever the number of replicas.
+
+Label smoothing (section 5.4, eps = 0.1) uses the convention of the paper's code
+(tensor2tensor) and fairseq: the true class gets probability `1 - eps`, and each of
+the other `V - 1` classes gets `eps / (V - 1)`. (Keras's `label_smoothing` puts
+`1 - eps + eps / V` on the true class and `eps / V` on every class instead.)
+
+Padding is label `PAD_ID` (0): its positions count for nothing.
+"""
+
+import tensorflow as tf
+
+from keras_transformer.tokenizer import PAD_ID
+
+
+def _real_token_mask(labels, pad_id):
+    return tf.cast(tf.not_equal(labels, pad_id), tf.float32)
+
+
+def label_smoothed_cross_entropy(labels, logits, label_smoothing=0.1, pad_id=PAD_ID):
+    """Sum of the label-smoothed cross entropy over the non-pad tokens.
+
+    Args:
+        labels: int `[batch, length]` target ids, `pad_id` where there is no token.
+        logits: `[batch, length, vocab_size]` unnormalized scores (any float dtype;
+            computed in float32).
+        label_smoothing: `eps`; 0 gives the plain negative log-likelihood.
+        pad_id: The label that marks padding.
+
+    Returns:
+        `(loss_sum, num_tokens)`, float32 scalars.
+    """
+    log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32), axis=-1)
+    labels = tf.cast(labels, tf.int32)
+    true_log_prob = tf.gather(log_probs, labels, axis=-1, batch_dims=2)
+    token_loss = -true_log_prob
+    if label_smoothing:
+        vocab_size = tf.cast(tf.shape(logits)[-1], tf.float32)
+        other_mass = label_smoothing / (vocab_size - 1.0)
+        other_log_probs = tf.reduce_sum(log_probs, axis=-1) - true_log_prob
+        token_loss = -(1.0 - label_smoothing) * true_log_prob - other_mass * other_log_probs
+    mask = _real_token_mask(labels, pad_id)
+    return tf.reduce_sum(token_loss * mask), tf.reduce_sum(mask)
+
+
+def token_accuracy(labels, logits, pad_id=PAD_ID):
+    """Number of non-pad tokens whose highest-scoring class is the label.
+
+    Args:
+        labels: int `[batch, length]` target ids.
+        logits: `[batch, length, vocab_size]`.
+        pad_id: The label that marks padding.
+
+    Returns:
+        `(num_correct, num_tokens)`, float32 scalars.
+    """
+    labels = tf.cast(labels, tf.int32)
+    predictions = tf.argmax(logits, axis=-1, output_type=tf.int32)
+    mask = _real_token_mask(labels, pad_id)
+    correct = tf.cast(tf.equal(predictions, labels), tf.float32) * mask
+    return tf.reduce_sum(correct), tf.reduce_sum(mask)
+
+
+def sum_over_replicas(value):
+    """Sum of `value` over all replicas, for use inside `strategy.run` (`value` itself outside).
+
+    The loss of a replica is its `loss_sum / sum_over_replicas(num_tokens)`: summed over the
+    replicas, as the optimizer sums their gradients, that is the mean over the global batch.
+
+    Args:
+        value: A tensor, e.g. this replica's number of real tokens.
+
+    Returns:
+        The all-reduced sum, the same on every replica.
+    """
+    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)

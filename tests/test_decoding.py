@@ -1,0 +1,392 @@
+"""Beam search: exactness against brute force, greedy, early stop, caching, XLA, precision.
+
+The core (`decoding.search`) is tested with a fixed scoring function whose next-token
+log-probs depend on the row, the step and a hash of the whole prefix, carried in the
+decoding cache: beam search must reorder the cache with the beams to get the scores
+right. Brute-force enumeration of every output scores each with the same length
+penalty; with a beam as large as the number of unfinished prefixes, beam search is
+exact, and with small beams it is not (checked, so the comparison is not vacuous).
+The `Transformer` wrapper is tested on a tiny model trained on Multi30k.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_transformer import decoding
+from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+VOCAB = 5
+EOS = 1
+START = 0
+HASH_MODULUS = 97
+MAX_STEPS = 4
+# Unfinished prefixes at the last step: (VOCAB - 1) ** (MAX_STEPS - 1) = 64; with that
+# many beams, no prefix is ever pruned, so beam search must return the exact best.
+EXACT_BEAM = (VOCAB - 1) ** (MAX_STEPS - 1)
+ROW_MAX_LENGTHS = [4, 4, 4, 4, 3, 2, 1]
+ALPHAS = [0.0, 0.6, 2.0, -0.5]
+
+
+# ---------------------------------------------------------------------------
+# A fixed scoring function and its brute-force reference
+# ---------------------------------------------------------------------------
+
+
+def make_tables(seed):
+    """Logits `[row, step, prefix hash, token]`."""
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(len(ROW_MAX_LENGTHS), MAX_STEPS, HASH_MODULUS, VOCAB))).astype(
+        "float32"
+    )
+
+
+def next_hash(prefix_hash, token):
+    return (prefix_hash * 31 + token + 1) % HASH_MODULUS
+
+
+def make_scorer(tables, counter=None):
+    """`symbols_to_logits_fn` reading `tables` by row, step and prefix hash (kept in the cache)."""
+    tables = tf.constant(tables)
+
+    def symbols_to_logits_fn(ids, step, cache):
+        prefix_hash = next_hash(cache["hash"], ids[:, step])
+        steps = tf.fill(tf.shape(prefix_hash), step)
+        logits = tf.gather_nd(tables, tf.stack([cache["row"], steps, prefix_hash], axis=-1))
+        if counter is not None:
+            counter.assign_add(1)
+        return logits, {"hash": prefix_hash, "row": cache["row"]}
+
+    return symbols_to_logits_fn
+
+
+def run_search(
+    tables, beam_size, alpha, n_best=None, counter=None, jit_compile=False, row_max_lengths=None
+):
+    rows = len(tables)
+    row_max_lengths = ROW_MAX_LENGTHS[:rows] if row_max_lengths is None else row_max_lengths
+
+    @tf.function(jit_compile=jit_compile, autograph=False)
+    def run(beam_size, alpha):
+        return decoding.search(
+            make_scorer(tables, counter),
+            tf.fill([rows], START),
+            {"hash": tf.zeros([rows], tf.int32), "row": tf.range(rows)},
+            max(row_max_lengths, default=MAX_STEPS),
+            eos_id=EOS,
+            beam_size=beam_size,
+            alpha=alpha,
+            row_max_lengths=tf.constant(row_max_lengths, tf.int32),
+            n_best=n_best,
+        )
+
+    return tf.nest.map_structure(np.asarray, run(beam_size, alpha))
+
+
+def log_softmax(logits):
+    logits = logits.astype("float64")
+    shifted = logits - logits.max()
+    return shifted - math.log(np.exp(shifted).sum())
+
+
+def penalty(length, alpha):
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def all_hypotheses(table, max_length, alpha):
+    """Every output of a row as `(score, tokens)`, best first: ending in EOS or at `max_length`."""
+    hypotheses = []
+
+    def extend(prefix, prefix_hash, log_prob):
+        newest = prefix[-1] if prefix else START
+        prefix_hash = next_hash(prefix_hash, newest)
+        log_probs = log_softmax(table[len(prefix), prefix_hash])
+        for token in range(VOCAB):
+            tokens, total = prefix + [token], log_prob + log_probs[token]
+            if token == EOS or len(tokens) == max_length:
+                hypotheses.append((total / penalty(len(tokens), alpha), tokens))
+            else:
+                extend(tokens, prefix_hash, total)
+
+    extend([], 0, 0.0)
+    return sorted(hypotheses, key=lambda hypothesis: -hypothesis[0])
+
+
+def greedy(table, max_length, alpha):
+    """Argmax decoding of one row: `(score, tokens)`."""
+    tokens, prefix_hash, log_prob = [], 0, 0.0
+    while True:
+        prefix_hash = next_hash(prefix_hash, tokens[-1] if tokens else START)
+        log_probs = log_softmax(table[len(tokens), prefix_hash])
+        token = int(np.argmax(log_probs))
+        tokens.append(token)
+        log_prob += log_probs[token]
+        if token == EOS or len(tokens) == max_length:
+            return log_prob / penalty(len(tokens), alpha), tokens
+
+
+def as_hypotheses(result, row):
+    """`(score, tokens)` of each hypothesis of `row` in a `run_search` result with `n_best`."""
+    return [
+        (score, list(tokens[:length]))
+        for tokens, length, score in zip(
+            result.tokens[row], result.lengths[row], result.scores[row], strict=True
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------
+# The core against brute force
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_large_beam_returns_the_exact_n_best_of_brute_force(alpha):
+    tables = make_tables(seed=0)
+    n_best = 10
+    result = run_search(tables, EXACT_BEAM, alpha, n_best=n_best)
+    for row, max_length in enumerate(ROW_MAX_LENGTHS):
+        expected = all_hypotheses(tables[row], max_length, alpha)[:n_best]
+        found = as_hypotheses(result, row)[: len(expected)]
+        assert [tokens for _, tokens in found] == [tokens for _, tokens in expected], (row, alpha)
+        np.testing.assert_allclose(
+            [s for s, _ in found], [s for s, _ in expected], rtol=1e-5, atol=1e-5
+        )
+
+
+def test_small_beams_are_not_exact_so_the_exact_test_means_something():
+    tables = make_tables(seed=1)
+    misses = 0
+    for alpha in ALPHAS:
+        result = run_search(tables, 2, alpha, n_best=1)
+        for row, max_length in enumerate(ROW_MAX_LENGTHS):
+            best_score, best_tokens = all_hypotheses(tables[row], max_length, alpha)[0]
+            found_score, found_tokens = as_hypotheses(result, row)[0]
+            assert found_score <= best_score + 1e-5  # never better than the optimum
+            misses += found_tokens != best_tokens
+    assert misses > 0
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_beam_of_one_is_greedy_argmax_decoding(alpha):
+    tables = make_tables(seed=1)
+    result = run_search(tables, 1, alpha)
+    differs_from_optimum = 0
+    for row, max_length in enumerate(ROW_MAX_LENGTHS):
+        score, tokens = greedy(tables[row], max_length, alpha)
+        assert list(result.tokens[row, : result.lengths[row]]) == tokens
+        assert result.lengths[row] == len(tokens)
+        np.testing.assert_allclose(result.scores[row], score, rtol=1e-5, atol=1e-5)
+        differs_from_optimum += tokens != all_hypotheses(tables[row], max_length, alpha)[0][1]
+    if alpha == 0.6:
+        assert differs_from_optimum > 0
+
+
+def test_beam_size_as_a_tensor_gives_the_same_hypotheses():
+    tables = make_tables(seed=2)
+    for beam_size in (1, 3, EXACT_BEAM):
+        expected = run_search(tables, beam_size, 0.6, n_best=1)
+        found = run_search(tables, tf.constant(beam_size), tf.constant(0.6), n_best=tf.constant(1))
+        for name in ("tokens", "lengths", "scores"):
+            np.testing.assert_array_equal(getattr(found, name), getattr(expected, name))
+
+
+def test_xla_compiled_search_gives_the_same_hypotheses():
+    tables = make_tables(seed=3)
+    for beam_size in (1, 4):
+        expected = run_search(tables, beam_size, 0.6, n_best=beam_size)
+        compiled = run_search(tables, beam_size, 0.6, n_best=beam_size, jit_compile=True)
+        np.testing.assert_array_equal(compiled.tokens, expected.tokens)
+        np.testing.assert_allclose(compiled.scores, expected.scores, rtol=1e-6)
+
+
+def test_search_stops_once_no_alive_beam_can_win():
+    # EOS is nearly certain first: the 1-token output wins against anything longer,
+    # even with the length penalty of the longest output the alive beams could reach.
+    tables = np.zeros((1, 40, HASH_MODULUS, VOCAB), "float32")
+    tables[..., EOS] = 20.0
+    steps = tf.Variable(0)
+    result = run_search(tables, 4, 0.6, counter=steps, row_max_lengths=[40])
+    assert list(result.tokens[0, : result.lengths[0]]) == [EOS]
+    assert int(steps.numpy()) == 1
+
+    # Without a likely EOS, the search runs to the maximum length.
+    steps.assign(0)
+    tables[..., EOS] = -20.0
+    result = run_search(tables, 4, 0.6, counter=steps, row_max_lengths=[40])
+    assert int(steps.numpy()) == 40
+    assert result.lengths[0] == 40
+
+
+def test_more_slots_than_outputs_leaves_empty_slots_and_no_nan():
+    tables = make_tables(seed=4)[:1]
+    result = run_search(tables, 8, 0.6, n_best=8, row_max_lengths=[1])  # only VOCAB outputs exist
+    expected = all_hypotheses(tables[0], 1, 0.6)
+    assert [tokens for _, tokens in as_hypotheses(result, 0)[:VOCAB]] == [t for _, t in expected]
+    assert not np.isnan(result.scores).any()
+    np.testing.assert_array_equal(result.scores[0, VOCAB:], decoding.NEG_INF)
+    np.testing.assert_array_equal(result.lengths[0, VOCAB:], 0)
+    np.testing.assert_array_equal(result.tokens[0, VOCAB:], PAD_ID)
+
+
+def test_an_empty_batch_decodes_to_nothing():
+    result = run_search(
+        np.zeros((0, MAX_STEPS, HASH_MODULUS, VOCAB), "float32"), 4, 0.6, row_max_lengths=[]
+    )
+    assert result.tokens.shape[0] == 0 and result.scores.shape == (0,)
+
+
+def test_invalid_beam_settings_are_rejected():
+    with pytest.raises(ValueError, match="beam_size"):
+        run_search(make_tables(0), 0, 0.6)
+    with pytest.raises(ValueError, match="n_best"):
+        run_search(make_tables(0), 2, 0.6, n_best=3)
+
+
+# ---------------------------------------------------------------------------
+# The Transformer wrapper, on a tiny model trained on Multi30k
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_model(tiny_translation_run):
+    from keras_transformer import run_dir
+
+    return run_dir.load_model(tiny_translation_run)
+
+
+@pytest.fixture(scope="module")
+def source_ids(tiny_translation_run, multi30k_dir):
+    """12 Multi30k validation sentences, EOS-terminated and padded."""
+    from keras_transformer import data, run_dir
+    from keras_transformer.corpora import load_multi30k
+    from keras_transformer.tokenizer import SubwordTokenizer
+
+    tokenizer = SubwordTokenizer.load(run_dir.tokenizer_path(tiny_translation_run))
+    sources = [source for source, _ in load_multi30k(multi30k_dir).validation[:12]]
+    return next(
+        iter(data.make_translation_dataset(sources, tokenizer, batch_size=len(sources)))
+    ).numpy()
+
+
+def decode(model, source_ids, **options):
+    """`decoding.beam_search` with numpy results."""
+    return tf.nest.map_structure(np.asarray, decoding.beam_search(model, source_ids, **options))
+
+
+def source_lengths(source_ids):
+    return (source_ids != PAD_ID).sum(axis=1)
+
+
+def teacher_forced_scores(model, source_ids, hypotheses, alpha):
+    """Scores of `hypotheses` (with `n_best`) recomputed by one full forward pass each."""
+    tokens, lengths = hypotheses.tokens, hypotheses.lengths
+    batch, n_best, _ = tokens.shape
+    scores = np.zeros((batch, n_best))
+    for rank in range(n_best):
+        length = lengths[:, rank].max()
+        targets = tokens[:, rank, :length]
+        decoder_inputs = np.concatenate([np.full((batch, 1), BOS_ID), targets[:, :-1]], axis=1)
+        logits = np.asarray(model((source_ids, decoder_inputs)), "float64")
+        log_probs = logits - logits.max(-1, keepdims=True)
+        log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+        token_log_probs = np.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+        inside = np.arange(length)[None, :] < lengths[:, rank, None]
+        scores[:, rank] = (token_log_probs * inside).sum(1) / penalty(lengths[:, rank], alpha)
+    return scores
+
+
+def test_cached_and_uncached_decoding_give_the_same_hypotheses(trained_model, source_ids):
+    for beam_size in (4, 1):
+        cached = decode(trained_model, source_ids, beam_size=beam_size, n_best=beam_size)
+        uncached = decode(
+            trained_model, source_ids, beam_size=beam_size, n_best=beam_size, use_cache=False
+        )
+        np.testing.assert_array_equal(cached.tokens, uncached.tokens)
+        np.testing.assert_array_equal(cached.lengths, uncached.lengths)
+        np.testing.assert_allclose(cached.scores, uncached.scores, rtol=1e-5, atol=1e-5)
+        # A trained model ends its outputs well before the maximum length.
+        assert (cached.lengths[:, 0] < source_lengths(source_ids) + 50).all()
+        assert (
+            cached.tokens[np.arange(len(source_ids)), 0, cached.lengths[:, 0] - 1] == EOS_ID
+        ).all()
+
+
+def test_scores_are_the_length_penalized_log_probs_of_the_outputs(trained_model, source_ids):
+    hypotheses = decode(trained_model, source_ids, beam_size=4, alpha=0.6, n_best=4)
+    expected = teacher_forced_scores(trained_model, source_ids, hypotheses, alpha=0.6)
+    np.testing.assert_allclose(hypotheses.scores, expected, rtol=1e-4, atol=1e-4)
+    assert (np.diff(hypotheses.scores, axis=1) <= 0).all()  # best first
+
+
+def test_greedy_decoding_is_argmax_decoding_with_the_full_decoder(trained_model, source_ids):
+    source_ids = source_ids[:6]
+    result = decode(trained_model, source_ids, beam_size=1)
+    max_lengths = source_lengths(source_ids) + 50
+    prefix = np.full((len(source_ids), 1), BOS_ID)
+    done = np.zeros(len(source_ids), bool)
+    expected = [[] for _ in source_ids]
+    last_logits = tf.function(
+        lambda prefix: trained_model((source_ids, prefix))[:, -1], reduce_retracing=True
+    )
+    while not done.all():
+        logits = last_logits(prefix).numpy()
+        tokens = logits.argmax(-1)
+        for row in np.flatnonzero(~done):
+            expected[row].append(int(tokens[row]))
+            done[row] = tokens[row] == EOS_ID or len(expected[row]) == max_lengths[row]
+        prefix = np.concatenate([prefix, tokens[:, None]], axis=1)
+    for row, tokens in enumerate(expected):
+        assert list(result.tokens[row, : result.lengths[row]]) == tokens
+
+
+def test_padding_and_other_rows_do_not_change_a_translation(trained_model, source_ids):
+    batch = decode(trained_model, source_ids[:4])
+    long_row = np.random.default_rng(0).integers(4, trained_model.vocab_size, size=(1, 40))
+    padded = np.zeros((5, 40), "int32")
+    padded[:4, : source_ids.shape[1]] = source_ids[:4]
+    padded[4] = long_row
+    with_long_row = decode(trained_model, padded)
+    for row in range(4):
+        alone_ids = source_ids[row : row + 1, : source_lengths(source_ids)[row]]
+        alone = decode(trained_model, alone_ids)
+        for other in (batch, with_long_row):
+            length = alone.lengths[0]
+            assert other.lengths[row] == length
+            np.testing.assert_array_equal(other.tokens[row, :length], alone.tokens[0, :length])
+            np.testing.assert_allclose(other.scores[row], alone.scores[0], rtol=1e-5)
+
+
+def test_xla_compiled_decoding_gives_the_same_hypotheses(trained_model, source_ids):
+    # Greedy decoding under XLA is covered with the fixed scoring function above.
+    expected = decode(trained_model, source_ids[:4])
+    compiled = decode(trained_model, source_ids[:4], jit_compile=True)
+    np.testing.assert_array_equal(compiled.tokens, expected.tokens)
+    np.testing.assert_allclose(compiled.scores, expected.scores, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_models_decode_with_float32_scores(
+    tiny_translation_run, source_ids, policy
+):
+    from keras_transformer import run_dir
+
+    model = run_dir.load_model(tiny_translation_run, dtype=policy)
+    hypotheses = decode(model, source_ids[:4], n_best=2)
+    assert hypotheses.scores.dtype == np.float32
+    assert np.isfinite(hypotheses.scores).all() and (hypotheses.lengths > 0).all()
+    expected = teacher_forced_scores(model, source_ids[:4], hypotheses, alpha=0.6)
+    np.testing.assert_allclose(hypotheses.scores, expected, rtol=0.05, atol=0.05)
+
+
+def test_learned_positions_cap_the_output_length():
+    from keras_transformer import Transformer
+
+    model = Transformer.from_preset("tiny", vocab_size=30, learned_positions=True, max_length=12)
+    model.build()
+    source = np.full((2, 10), 5, "int32")
+    source[:, -1] = EOS_ID
+    hypotheses = decode(model, source, eos_id=-1)  # an id never generated
+    np.testing.assert_array_equal(hypotheses.lengths, [12, 12])

@@ -1,0 +1,98 @@
+"""Masked label-smoothed cross entropy and token accuracy against hand computations in NumPy."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_transformer.losses import label_smoothed_cross_entropy, sum_over_replicas, token_accuracy
+
+VOCAB = 5
+EPS = 0.1
+
+# Two sentences of three positions; label 0 is padding.
+LABELS = np.array([[1, 4, 0], [2, 2, 3]], dtype="int32")
+LOGITS = np.random.default_rng(0).normal(size=(2, 3, VOCAB)).astype("float32")
+
+
+def log_softmax(x):
+    x = x.astype("float64")
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def smoothed_targets(label, vocab_size, eps):
+    """The convention under test: 1 - eps on the label, eps / (V - 1) on each other class."""
+    target = np.full(vocab_size, eps / (vocab_size - 1))
+    target[label] = 1.0 - eps
+    return target
+
+
+def hand_loss(labels, logits, eps):
+    total, count = 0.0, 0
+    log_probs = log_softmax(logits)
+    for b in range(labels.shape[0]):
+        for t in range(labels.shape[1]):
+            if labels[b, t] == 0:
+                continue
+            total -= np.dot(smoothed_targets(labels[b, t], logits.shape[-1], eps), log_probs[b, t])
+            count += 1
+    return total, count
+
+
+def test_label_smoothed_loss_equals_hand_computation():
+    loss_sum, num_tokens = label_smoothed_cross_entropy(LABELS, LOGITS, label_smoothing=EPS)
+    expected_sum, expected_count = hand_loss(LABELS, LOGITS, EPS)
+    assert float(num_tokens) == expected_count == 5
+    np.testing.assert_allclose(float(loss_sum), expected_sum, rtol=1e-5)
+
+
+def test_smoothing_distribution_sums_to_one_and_differs_from_keras_convention():
+    target = smoothed_targets(2, VOCAB, EPS)
+    np.testing.assert_allclose(target.sum(), 1.0)
+    # Keras puts (1 - eps) + eps / V on the label: a different loss for the same logits.
+    keras_loss = keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=EPS, reduction=None)
+    one_hot = np.eye(VOCAB)[LABELS]
+    keras_sum = float(tf.reduce_sum(keras_loss(one_hot, LOGITS) * tf.cast(LABELS != 0, tf.float32)))
+    ours, _ = label_smoothed_cross_entropy(LABELS, LOGITS, label_smoothing=EPS)
+    assert abs(float(ours) - keras_sum) > 1e-3
+
+
+def test_without_smoothing_it_is_keras_sparse_cross_entropy_ignoring_padding():
+    loss_sum, num_tokens = label_smoothed_cross_entropy(LABELS, LOGITS, label_smoothing=0.0)
+    keras_mean = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)(LABELS, LOGITS)
+    np.testing.assert_allclose(float(loss_sum) / float(num_tokens), float(keras_mean), rtol=1e-5)
+
+
+def test_padding_positions_count_nothing():
+    changed = LOGITS.copy()
+    changed[0, 2] = 100.0 * np.arange(VOCAB)  # position with label 0
+    for smoothing in (0.0, EPS):
+        original = label_smoothed_cross_entropy(LABELS, LOGITS, smoothing)
+        assert [float(x) for x in label_smoothed_cross_entropy(LABELS, changed, smoothing)] == pytest.approx(
+            [float(x) for x in original], rel=1e-6
+        )
+    assert [float(x) for x in token_accuracy(LABELS, changed)] == [float(x) for x in token_accuracy(LABELS, LOGITS)]
+
+
+def test_all_padding_gives_zero_sum_and_count():
+    loss_sum, num_tokens = label_smoothed_cross_entropy(np.zeros((2, 3), "int32"), LOGITS)
+    assert (float(loss_sum), float(num_tokens)) == (0.0, 0.0)
+
+
+def test_bfloat16_logits_are_computed_in_float32():
+    loss_sum, _ = label_smoothed_cross_entropy(LABELS, tf.cast(LOGITS, tf.bfloat16), EPS)
+    assert loss_sum.dtype == tf.float32
+    np.testing.assert_allclose(float(loss_sum), hand_loss(LABELS, LOGITS, EPS)[0], rtol=2e-2)
+
+
+def test_token_accuracy_counts_correct_non_pad_tokens():
+    logits = np.zeros((2, 3, VOCAB), "float32")
+    predictions = np.array([[1, 3, 4], [2, 0, 3]])  # right, wrong, (pad) / right, wrong, right
+    np.put_along_axis(logits, predictions[..., None], 1.0, axis=-1)
+    correct, num_tokens = token_accuracy(LABELS, logits)
+    assert (float(correct), float(num_tokens)) == (3.0, 5.0)
+
+
+def test_sum_over_replicas_is_the_value_outside_a_strategy():
+    assert float(sum_over_replicas(tf.constant(7.0))) == 7.0

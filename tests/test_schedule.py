@@ -1,0 +1,66 @@
+"""The paper's learning-rate schedule against its formula, computed independently in NumPy."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_transformer.schedule import TransformerSchedule, make_optimizer
+
+
+def paper_rate(step, d_model, warmup_steps):
+    """lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5), step counted from 1."""
+    step = np.float64(step)
+    return d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+@pytest.mark.parametrize("d_model, warmup_steps", [(512, 4000), (256, 800)])
+@pytest.mark.parametrize("step", [1, 2, 100, 799, 800, 801, 3999, 4000, 4001, 10_000, 100_000])
+def test_rate_of_update_step_equals_the_formula(step, d_model, warmup_steps):
+    schedule = TransformerSchedule(d_model, warmup_steps)
+    # Keras calls the schedule with the number of updates already applied.
+    rate = float(schedule(step - 1))
+    np.testing.assert_allclose(rate, paper_rate(step, d_model, warmup_steps), rtol=1e-6)
+
+
+def test_first_update_has_a_nonzero_rate_and_the_peak_is_at_warmup():
+    schedule = TransformerSchedule(512, 4000)
+    assert float(schedule(0)) > 0
+    peak = float(schedule(3999))  # update number 4000
+    assert float(schedule(3998)) < peak > float(schedule(4000))
+    np.testing.assert_allclose(peak, 512**-0.5 * 4000**-0.5, rtol=1e-6)  # 7.0e-4
+
+
+def test_scale_multiplies_the_rate():
+    np.testing.assert_allclose(
+        float(TransformerSchedule(256, 800, scale=2.0)(99)), 2.0 * paper_rate(100, 256, 800), rtol=1e-6
+    )
+
+
+def test_config_round_trip():
+    schedule = TransformerSchedule(256, warmup_steps=800, scale=1.5)
+    copy = TransformerSchedule.from_config(schedule.get_config())
+    assert copy.get_config() == {"d_model": 256, "warmup_steps": 800, "scale": 1.5}
+    restored = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(schedule))
+    assert isinstance(restored, TransformerSchedule)
+    for iterations in (0, 799, 5000):
+        assert float(restored(iterations)) == float(schedule(iterations))
+
+
+def test_rejects_non_positive_arguments():
+    with pytest.raises(ValueError, match="positive"):
+        TransformerSchedule(512, warmup_steps=0)
+
+
+def test_optimizer_is_the_papers_adam_and_survives_serialization():
+    optimizer = make_optimizer(TransformerSchedule(512, 4000))
+    assert isinstance(optimizer, keras.optimizers.Adam)
+    assert (optimizer.beta_1, optimizer.beta_2, optimizer.epsilon) == (0.9, 0.98, 1e-9)
+    np.testing.assert_allclose(float(optimizer.learning_rate), paper_rate(1, 512, 4000), rtol=1e-6)
+    restored = keras.optimizers.Adam.from_config(optimizer.get_config())
+    assert restored.get_config()["learning_rate"]["class_name"].endswith("TransformerSchedule")
+
+
+def test_fp16_optimizer_scales_the_loss():
+    optimizer = make_optimizer(TransformerSchedule(512, 4000), loss_scaling=True)
+    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    assert float(optimizer.scale_loss(1.0)) > 1.0

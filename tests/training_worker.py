@@ -1,0 +1,112 @@
+"""Runs the `Trainer` on a fixed synthetic data set in a fresh process, for test_training.py.
+
+Logical CPU devices and `MultiWorkerMirroredStrategy` must be set up before TensorFlow
+initializes its devices, which a pytest process has long done; so these runs get their
+own process.
+
+    python tests/training_worker.py replicas OUT.npz RUN_DIR
+        Trains the same steps on 1 replica and on 2 replicas (two logical CPUs, each
+        replica half of every global batch) and saves both final weights.
+    TF_CONFIG=... python tests/training_worker.py worker OUT.npz RUN_DIR
+        One worker of a MultiWorkerMirroredStrategy run (each worker feeds half of every
+        global batch); saves its final weights.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+from keras_transformer import distribution  # noqa: E402
+
+VOCAB_SIZE = 40
+GLOBAL_BATCH = 8
+LENGTH = 9
+STEPS = 3
+
+
+def global_batches(num_steps=STEPS, seed=0):
+    """`num_steps` global batches `((source, decoder_inputs), labels)` with padding, as numpy."""
+    rng = np.random.default_rng(seed)
+    shape = (num_steps, GLOBAL_BATCH, LENGTH)
+    source = rng.integers(4, VOCAB_SIZE, size=shape).astype("int32")
+    target = rng.integers(4, VOCAB_SIZE, size=shape).astype("int32")
+    source_lengths = rng.integers(3, LENGTH + 1, size=shape[:2])
+    target_lengths = rng.integers(3, LENGTH, size=shape[:2])
+    positions = np.arange(LENGTH)
+    source = np.where(positions < source_lengths[..., None], source, 0)
+    target = np.where(positions < target_lengths[..., None], target, 0)
+    decoder_inputs = np.concatenate([np.full(shape[:2] + (1,), 2, "int32"), target[..., :-1]], axis=-1)
+    labels = np.where(positions == target_lengths[..., None], 3, target).astype("int32")
+    decoder_inputs = np.where(positions <= target_lengths[..., None], decoder_inputs, 0).astype("int32")
+    return (source, decoder_inputs), labels
+
+
+def dataset_fn(input_context):
+    """This pipeline's share of each global batch: replica r gets rows r::replicas.
+
+    With one pipeline feeding several local replicas, `tf.distribute` hands consecutive
+    batches to the replicas in turn, so the pipeline interleaves its replicas' shares.
+    """
+    import tensorflow as tf
+
+    replicas = input_context.num_replicas_in_sync
+    local = replicas // input_context.num_input_pipelines
+    first = input_context.input_pipeline_id * local
+    (source, decoder_inputs), labels = global_batches()
+
+    def share(array, replica):
+        return array[:, replica::replicas]
+
+    per_replica = [
+        ((share(source, r), share(decoder_inputs, r)), share(labels, r)) for r in range(first, first + local)
+    ]
+    steps = [tf.data.Dataset.from_tensor_slices(part) for part in per_replica]
+    return tf.data.Dataset.choose_from_datasets(steps, tf.data.Dataset.range(local).repeat(STEPS))
+
+
+def train(strategy, run_dir):
+    """Trains the tiny model for `STEPS` steps; returns its initial and final weights."""
+    import keras
+
+    from keras_transformer.model import Transformer
+    from keras_transformer.trainer import Trainer, TrainingConfig
+
+    keras.utils.set_random_seed(0)
+    config = TrainingConfig(
+        train_steps=STEPS, warmup_steps=10, log_every=1, checkpoint_every=STEPS, max_minutes=10
+    )
+    trainer = Trainer(
+        strategy,
+        lambda dtype: Transformer.from_preset("tiny", VOCAB_SIZE, dropout_rate=0.0, dtype=dtype),
+        run_dir,
+        config,
+    )
+    initial = _weights(trainer.model)
+    trainer.fit(dataset_fn)
+    return initial, _weights(trainer.model)
+
+
+def _weights(model):
+    """Trainable weights by position and name (names differ between models of a process)."""
+    return {f"{index:03d}_{variable.name}": variable.numpy() for index, variable in enumerate(model.trainable_variables)}
+
+
+def main(mode, output, run_dir):
+    if mode == "replicas":
+        distribution.split_cpu(2)
+        initial, one = train(distribution.make_strategy(["CPU:0"]), os.path.join(run_dir, "one"))
+        _, two = train(distribution.make_strategy(["CPU:0", "CPU:1"]), os.path.join(run_dir, "two"))
+        runs = {"initial": initial, "one": one, "two": two}
+    elif mode == "worker":
+        initial, final = train(distribution.make_strategy(), run_dir)
+        runs = {"initial": initial, "final": final}
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    np.savez(output, **{f"{run}/{name}": value for run, weights in runs.items() for name, value in weights.items()})
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,559 @@
+"""Train a Transformer translation model with the recipe of "Attention Is All You Need".
+
+    MULTI30K_DIR=../shared/data/multi30k python train.py      # small preset, ~10 min on 2 CPU cores
+    python train.py --preset medium                            # best Multi30k BLEU in ~1 hour on CPU
+    python train.py --preset base --dataset wmt14              # the paper's base model (GPUs)
+    python train.py --run-dir RUN                              # resume RUN, or re-evaluate it if done
+    python train.py --run-dir RUN --average-last 5 --average-only
+
+Every setting comes, in this order, from its flag, from the run directory's saved
+`config.json` (when resuming), or from the preset's recipe (`RECIPES`). Settings that
+fix the model, the vocabulary or the data stream cannot change in an existing run
+directory: asking for another value is an error, reported before anything is trained
+or written. See `python train.py --help` for every flag.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Before TensorFlow is imported.
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+logger = logging.getLogger("train")
+
+DATASETS = ("multi30k", "wmt14", "ted_pt_en", "files")
+PRESET_NAMES = ("tiny", "small", "medium", "base", "big")
+
+# Training recipes per preset: flags default to these. `max_minutes` None = no budget.
+RECIPES = {
+    # For smoke tests: trains in seconds, translates badly.
+    "tiny": dict(
+        train_steps=200, max_minutes=None, token_budget=1024, warmup_steps=100, learning_rate_scale=1.0,
+        log_every=20, checkpoint_every=100, keep_checkpoints=3, eval_every=0, average_last=0, bleu_sentences=100,
+    ),
+    # The default: ~10 minutes in all on a 2-core CPU (training stops at its time budget).
+    "small": dict(
+        train_steps=4000, max_minutes=8.0, token_budget=4096, warmup_steps=800, learning_rate_scale=2.0,
+        log_every=25, checkpoint_every=100, keep_checkpoints=5, eval_every=0, average_last=5, bleu_sentences=200,
+    ),
+    # Best Multi30k BLEU in about an hour of CPU training.
+    "medium": dict(
+        train_steps=20000, max_minutes=60.0, token_budget=4096, warmup_steps=1000, learning_rate_scale=2.0,
+        log_every=50, checkpoint_every=250, keep_checkpoints=10, eval_every=1000, average_last=5, bleu_sentences=300,
+    ),
+    # The paper: 100k steps of ~25k source + 25k target tokens (4096 padded tokens x 8 GPUs),
+    # average of the last 5 checkpoints written every 10 minutes (~every 1500 steps here).
+    "base": dict(
+        train_steps=100_000, max_minutes=None, token_budget=4096, warmup_steps=4000, learning_rate_scale=1.0,
+        log_every=100, checkpoint_every=1500, keep_checkpoints=20, eval_every=5000, average_last=5,
+        bleu_sentences=500,
+    ),
+    # The paper: 300k steps, average of the last 20 checkpoints.
+    "big": dict(
+        train_steps=300_000, max_minutes=None, token_budget=4096, warmup_steps=4000, learning_rate_scale=1.0,
+        log_every=100, checkpoint_every=1500, keep_checkpoints=20, eval_every=5000, average_last=20,
+        bleu_sentences=500,
+    ),
+}
+
+# Per dataset: vocabulary (shared BPE) and longest sequence.
+DATASET_DEFAULTS = {
+    "multi30k": dict(vocab_size=8000, max_length=128),
+    "wmt14": dict(vocab_size=37000, max_length=256),  # The paper's ~37000 shared tokens.
+    "ted_pt_en": dict(vocab_size=8000, max_length=256),
+    "files": dict(vocab_size=8000, max_length=256),
+}
+
+GENERAL_DEFAULTS = dict(
+    seed=0, label_smoothing=0.1, beam_size=4, alpha=0.6, mixed_precision="none", jit_compile=False
+)
+
+# Settings that fix the model, the vocabulary or the data stream of a run: resuming
+# with another value is an error.
+PINNED = (
+    "preset", "dataset", "source_lang", "target_lang", "vocab_size", "max_length", "token_budget", "seed",
+    "dropout", "warmup_steps", "learning_rate_scale", "label_smoothing", "mixed_precision",
+)
+# Where config.json keeps each setting; the rest go under "train".
+_CONFIG_LOCATIONS = {
+    "dataset": ("data", "corpus"),
+    "source_lang": ("data", "source_lang"),
+    "target_lang": ("data", "target_lang"),
+    "vocab_size": ("data", "vocab_size"),
+    "max_length": ("data", "max_length"),
+    "token_budget": ("data", "token_budget"),
+    "dropout": ("model", "dropout_rate"),
+}
+# Settings saved in config.json; the others (paths, devices, --average-only) are per command.
+SAVED = (
+    "preset", "dataset", "source_lang", "target_lang", "vocab_size", "max_length", "token_budget", "seed",
+    "dropout", "warmup_steps", "learning_rate_scale", "label_smoothing", "mixed_precision", "jit_compile",
+    "train_steps", "epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
+    "average_last", "bleu_sentences", "beam_size", "alpha",
+)
+
+
+class SettingsError(ValueError):
+    """Flags that cannot be used together or with the run directory."""
+
+
+def positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text):
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive number, got {text}")
+    return value
+
+
+def probability(text):
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        description=(
+            "Train a Transformer (Vaswani et al., 2017) for translation: Adam with the paper's "
+            "warm-up schedule, label smoothing, token-budget batches, data-parallel over all local "
+            "GPUs (or the workers of TF_CONFIG), checkpoints, TensorBoard (RUN/logs), validation "
+            "BLEU, and a final test BLEU with beam search. Unset flags come from the run "
+            "directory's config.json when resuming, else from the preset's recipe."
+        ),
+        epilog=(
+            "Resume: run the same command again (or just --run-dir RUN); training continues "
+            "from the last checkpoint with the same data order. A finished run is evaluated "
+            "again. TensorBoard: tensorboard --logdir RUN/logs"
+        ),
+    )
+    what = parser.add_argument_group("model and data")
+    what.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                      help="Model size and training recipe: tiny (tests), small (default, ~10 min on a "
+                           "2-core CPU), medium (best Multi30k BLEU in ~1 h of CPU), base/big (the paper's, "
+                           "for GPUs and --dataset wmt14). [small]")
+    what.add_argument("--dataset", choices=DATASETS, default=None,
+                      help="Corpus: multi30k (EN-DE image captions), wmt14 (EN-DE, TFDS, the paper's), "
+                           "ted_pt_en (TFDS), files (DIR/{train,val,test}.LANG text files in --data-dir). "
+                           "[multi30k]")
+    what.add_argument("--data-dir", default=None,
+                      help="Multi30k directory (default: $MULTI30K_DIR, then ~/.keras/datasets/multi30k, "
+                           "then download), TFDS data directory for wmt14/ted_pt_en, or the text-file "
+                           "directory for --dataset files.")
+    what.add_argument("--source-lang", default=None, help="Source language code. [the corpus's usual: en]")
+    what.add_argument("--target-lang", default=None, help="Target language code. [the corpus's usual: de]")
+    what.add_argument("--vocab-size", type=positive_int, default=None,
+                      help="Size of the shared BPE vocabulary learned on the training data. "
+                           "[8000; wmt14: 37000]")
+    what.add_argument("--max-length", type=positive_int, default=None,
+                      help="Longest sequence in tokens; longer training pairs are dropped. "
+                           "[128; wmt14: 256]")
+    what.add_argument("--dropout", type=probability, default=None,
+                      help="Dropout rate P_drop (residual and embedding dropout). [the preset's]")
+
+    how = parser.add_argument_group("optimization")
+    length = how.add_mutually_exclusive_group()
+    length.add_argument("--train-steps", type=positive_int, default=None,
+                        help="Total steps (global batches) of the run. [the recipe's]")
+    length.add_argument("--epochs", type=positive_float, default=None,
+                        help="Train this many passes over the training data instead of --train-steps.")
+    how.add_argument("--max-minutes", type=non_negative_float, default=None,
+                     help="Time budget of this command's training loop: when exceeded, training stops "
+                          "cleanly after a checkpoint and goes on to the final evaluation. 0: no budget. "
+                          "[small: 8, medium: 60, else none]")
+    how.add_argument("--token-budget", type=positive_int, default=None,
+                     help="Padded tokens per batch and side, PER REPLICA (the global batch is this "
+                          "times the number of replicas). [4096; the paper's 25k = 8 GPUs x ~3k real]")
+    how.add_argument("--warmup-steps", type=positive_int, default=None,
+                     help="Linear warm-up steps of the learning rate, then inverse square-root decay. "
+                          "[paper: 4000]")
+    how.add_argument("--learning-rate-scale", type=positive_float, default=None,
+                     help="Multiplier of the paper's rate d_model^-0.5 * min(step^-0.5, step * warmup^-1.5). "
+                          "[paper: 1]")
+    how.add_argument("--label-smoothing", type=probability, default=None, help="Label smoothing eps. [0.1]")
+    how.add_argument("--seed", type=int, default=None, help="Seed of weights, dropout and data order. [0]")
+    how.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default=None,
+                     help="Compute in bfloat16 or float16 with float32 weights (fp16 adds loss scaling). "
+                          "[none]")
+    how.add_argument("--jit-compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="Compile the forward/backward pass with XLA (recompiles for every new batch "
+                          "shape). [off]")
+    how.add_argument("--devices", default=None,
+                     help="Comma-separated devices to replicate over, e.g. GPU:0,GPU:1 (CPU:0,CPU:1 "
+                          "splits the CPU, for testing). [all local GPUs, else the CPU; with a "
+                          "multi-worker TF_CONFIG, MultiWorkerMirroredStrategy]")
+
+    run = parser.add_argument_group("run directory, logging and evaluation")
+    run.add_argument("--run-dir", default=None, help="Where the run lives. [runs/DATASET-PRESET]")
+    run.add_argument("--log-every", type=positive_int, default=None,
+                     help="Steps between progress lines and TensorBoard training summaries.")
+    run.add_argument("--checkpoint-every", type=positive_int, default=None,
+                     help="Steps between checkpoints (one is also written at the end and on Ctrl-C).")
+    run.add_argument("--keep-checkpoints", type=positive_int, default=None, help="Checkpoints to keep.")
+    run.add_argument("--eval-every", type=non_negative_int, default=None,
+                     help="Steps between validations (loss, perplexity, accuracy, BLEU on the first "
+                          "--bleu-sentences validation sentences, attention images); 0: only at the end.")
+    run.add_argument("--bleu-sentences", type=non_negative_int, default=None,
+                     help="Validation sentences translated for the validation BLEU (0: none).")
+    run.add_argument("--average-last", type=non_negative_int, default=None,
+                     help="Average the last N checkpoints into RUN/averaged for the final evaluation "
+                          "(paper: 5 for base, 20 for big). 0: use the last checkpoint.")
+    run.add_argument("--average-only", action="store_true",
+                     help="Only average the last --average-last checkpoints of --run-dir, then exit.")
+    run.add_argument("--beam-size", type=positive_int, default=None, help="Beam size of the translations. [4]")
+    run.add_argument("--alpha", type=non_negative_float, default=None, help="Length penalty alpha. [0.6]")
+    return parser
+
+
+def resolve_settings(args):
+    """The run's settings: flags, else the saved config.json, else the recipe.
+
+    Returns:
+        `(settings dict, run directory Path, saved config dict or None)`.
+
+    Raises:
+        SettingsError: For flags in conflict with the run directory or with each other.
+    """
+    from keras_transformer import run_dir as run_dir_lib
+
+    explicit = {name: value for name, value in vars(args).items() if value is not None and name in SAVED}
+    dataset = args.dataset or "multi30k"
+    preset = args.preset or "small"
+    run = Path(args.run_dir or Path("runs") / f"{dataset}-{preset}")
+    saved_config = run_dir_lib.read_config(run) if (run / run_dir_lib.CONFIG_FILE).is_file() else None
+    if saved_config is None:
+        _check_no_orphan_state(run)
+        saved = {}
+    else:
+        saved = _saved_settings(saved_config)
+    for name in PINNED:
+        if name in explicit and name in saved and explicit[name] != saved[name]:
+            raise SettingsError(
+                f"{run} was trained with --{_flag(name)} {saved[name]}, not {explicit[name]}; use another "
+                f"--run-dir, or leave out --{_flag(name)} to continue this run."
+            )
+    dataset = explicit.get("dataset", saved.get("dataset", "multi30k"))
+    preset = explicit.get("preset", saved.get("preset", "small"))
+    from keras_transformer.presets import get_preset
+
+    defaults = {
+        **GENERAL_DEFAULTS,
+        **DATASET_DEFAULTS[dataset],
+        **RECIPES[preset],
+        "dropout": get_preset(preset)["dropout_rate"],
+        "epochs": None,
+        "source_lang": None,
+        "target_lang": None,
+    }
+    settings = {**defaults, **saved, **explicit, "preset": preset, "dataset": dataset}
+    if "train_steps" in explicit:
+        settings["epochs"] = None
+    if settings["max_minutes"] == 0:
+        settings["max_minutes"] = None
+    if settings["token_budget"] < settings["max_length"]:
+        raise SettingsError(
+            f"--token-budget ({settings['token_budget']}) must be at least --max-length "
+            f"({settings['max_length']}), or the longest pairs fit in no batch."
+        )
+    if dataset == "files" and not args.data_dir:
+        raise SettingsError("--dataset files needs --data-dir DIR holding train.SRC and train.TGT.")
+    if dataset == "files" and not (settings["source_lang"] and settings["target_lang"]):
+        raise SettingsError("--dataset files needs --source-lang and --target-lang (the file suffixes).")
+    if args.average_only and saved_config is None:
+        raise SettingsError(f"--average-only needs an existing run directory; {run} has no config.json.")
+    _check_vocabulary(run, settings["vocab_size"])
+    return settings, run, saved_config
+
+
+def _flag(name):
+    return name.replace("_", "-")
+
+
+def _saved_settings(config):
+    """The flat settings of a config.json written by this script."""
+    settings = dict(config.get("train", {}))
+    for name, (section, key) in _CONFIG_LOCATIONS.items():
+        if key in config.get(section, {}):
+            settings[name] = config[section][key]
+    return {name: value for name, value in settings.items() if name in SAVED}
+
+
+def _check_no_orphan_state(run):
+    """Refuses a directory holding checkpoints or a vocabulary without config.json."""
+    from keras_transformer import run_dir as run_dir_lib
+
+    leftovers = [
+        name for name in (run_dir_lib.TOKENIZER_FILE, run_dir_lib.CHECKPOINT_DIR) if (run / name).exists()
+    ]
+    if leftovers:
+        raise SettingsError(
+            f"{run} holds {', '.join(leftovers)} but no {run_dir_lib.CONFIG_FILE}; it is not a run of this "
+            "script (or an incomplete one): use another --run-dir."
+        )
+
+
+def _check_vocabulary(run, vocab_size):
+    """The saved vocabulary, if any, must have `vocab_size` ids (read without TensorFlow ops)."""
+    import sentencepiece
+
+    from keras_transformer import run_dir as run_dir_lib
+
+    path = run_dir_lib.tokenizer_path(run)
+    if not path.is_file():
+        return
+    try:
+        saved_size = sentencepiece.SentencePieceProcessor(model_file=str(path)).get_piece_size()
+    except (OSError, RuntimeError) as error:
+        raise SettingsError(f"{path} is not a readable SentencePiece model ({error}).") from None
+    if saved_size != vocab_size:
+        raise SettingsError(
+            f"{path} has {saved_size} ids but --vocab-size is {vocab_size}; use another --run-dir, "
+            "or leave out --vocab-size to continue this run."
+        )
+
+
+def run_config(settings, model_config):
+    """The config.json of the run."""
+    config = {"model": model_config, "data": {}, "train": {}}
+    for name in SAVED:
+        section, key = _CONFIG_LOCATIONS.get(name, ("train", name))
+        if section != "model":
+            config[section][key] = settings[name]
+    return config
+
+
+def load_corpus(settings, data_dir):
+    from keras_transformer import corpora
+
+    if settings["dataset"] == "files":
+        directory = Path(data_dir)
+        source, target = settings["source_lang"], settings["target_lang"]
+
+        def split(stem):
+            paths = (directory / f"{stem}.{source}", directory / f"{stem}.{target}")
+            return paths if all(path.is_file() for path in paths) else None
+
+        if split("train") is None:
+            raise corpora.DatasetUnavailableError(f"{directory} lacks train.{source} and train.{target}.")
+        return corpora.load_text_corpus(
+            split("train"), split("val"), split("test"), source_lang=source, target_lang=target, name="files"
+        )
+    return corpora.load_corpus(
+        settings["dataset"], data_dir, source_lang=settings["source_lang"], target_lang=settings["target_lang"]
+    )
+
+
+def prepare_tokenizer(run, corpus, settings, strategy):
+    """The run's tokenizer: loaded, or learned on the training data and saved by the chief."""
+    from keras_transformer import distribution, run_dir as run_dir_lib
+    from keras_transformer.tokenizer import SubwordTokenizer, train_tokenizer
+
+    path = run_dir_lib.tokenizer_path(run)
+    if not path.is_file() and distribution.is_chief(strategy):
+        started = time.monotonic()
+        tokenizer = train_tokenizer(corpus.training_sentences(), settings["vocab_size"], seed=settings["seed"])
+        tokenizer.save(path)
+        logger.info("Learned a %d-token BPE vocabulary in %.0fs: %s", tokenizer.vocab_size, time.monotonic() - started, path)
+    distribution.barrier(strategy)  # The other workers read the chief's file.
+    return SubwordTokenizer.load(path)
+
+
+def steps_for_epochs(corpus, tokenizer, settings, num_replicas):
+    """Steps of `settings["epochs"]` passes: per-replica batches of one epoch / replicas."""
+    from keras_transformer import data
+
+    batches = data.make_training_dataset(
+        corpus.train, tokenizer, token_budget=settings["token_budget"], max_length=settings["max_length"],
+        seed=settings["seed"],
+    )
+    per_epoch = int(batches.reduce(0, lambda count, _: count + 1))
+    steps = max(1, math.ceil(settings["epochs"] * per_epoch / num_replicas))
+    logger.info("%g epochs = %d steps (%d batches per epoch over %d replica(s)).", settings["epochs"], steps, per_epoch, num_replicas)
+    return steps
+
+
+def average_only(run, settings):
+    from keras_transformer import run_dir as run_dir_lib
+
+    if not settings["average_last"]:
+        raise SettingsError("--average-only needs --average-last N with N >= 1.")
+    path, averaged = run_dir_lib.average_checkpoints(run, settings["average_last"])
+    logger.info("Averaged %d checkpoints (%s) into %s", len(averaged), ", ".join(Path(p).name for p in averaged), path)
+    return 0
+
+
+def final_evaluation(run, corpus, settings):
+    """Averages the last checkpoints (if asked), then test BLEU with beam search; writes translations."""
+    import tensorflow as tf
+
+    from keras_transformer import evaluation, run_dir as run_dir_lib
+    from keras_transformer.tokenizer import SubwordTokenizer
+
+    if settings["average_last"]:
+        path, averaged = run_dir_lib.average_checkpoints(run, settings["average_last"])
+        logger.info("Averaged the last %d checkpoints (%s) into %s", len(averaged),
+                    ", ".join(Path(p).name for p in averaged), path)
+    if not corpus.test:
+        logger.info("The corpus has no test split; no test BLEU.")
+        return
+    which = run_dir_lib.checkpoint_path(run, "best")
+    model = run_dir_lib.load_model(run, which)
+    tokenizer = SubwordTokenizer.load(run_dir_lib.tokenizer_path(run))
+    sources, references = (list(side) for side in zip(*corpus.test))
+    started = time.monotonic()
+    logger.info("Translating %d test sentences with %s (beam %d, alpha %g)...", len(sources), Path(which).name,
+                settings["beam_size"], settings["alpha"])
+    translations = evaluation.translate(
+        model, tokenizer, sources, beam_size=settings["beam_size"], alpha=settings["alpha"],
+        max_length=settings["max_length"],
+    )
+    bleu = evaluation.corpus_bleu(translations, references, corpus.target_lang)
+    output = run / run_dir_lib.TRANSLATIONS_DIR / f"test.{corpus.target_lang}"
+    evaluation.write_lines(output, translations)
+    with tf.summary.create_file_writer(str(run / run_dir_lib.LOG_DIR / "test")).as_default():
+        tf.summary.scalar("bleu", bleu.score, step=run_dir_lib.checkpoint_step(which))
+    logger.info("Test BLEU (%s, %d sentences, %.0fs): %s", Path(which).name, len(sources), time.monotonic() - started, bleu)
+    logger.info("Translations: %s", output)
+    for source, reference, translation in list(zip(sources, references, translations))[:3]:
+        logger.info("  source:      %s\n  reference:   %s\n  translation: %s", source, reference, translation)
+
+
+def configure_process():
+    """Progress lines on stderr, and a checkpoint on `kill` (SIGTERM) as on Ctrl-C."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for name in ("train", "keras_transformer"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def train(args):
+    """Checks the settings, then trains and evaluates; returns the exit code."""
+    settings, run, saved_config = resolve_settings(args)
+    configure_process()
+    if args.average_only:
+        return average_only(run, settings)
+
+    from keras_transformer import distribution
+
+    devices = [name for name in args.devices.split(",") if name] if args.devices else None
+    try:
+        strategy = distribution.make_strategy(devices)
+    except ValueError as error:
+        raise SettingsError(str(error)) from None
+
+    import keras
+    import tensorflow as tf
+
+    from keras_transformer import data, evaluation, run_dir as run_dir_lib
+    from keras_transformer.model import Transformer
+    from keras_transformer.tokenizer import SubwordTokenizer
+    from keras_transformer.trainer import Trainer, TrainingConfig, format_duration
+
+    tf.get_logger().setLevel("ERROR")
+    # Seeding drops TensorFlow's kernel cache, which holds tokenizer resources: seed first.
+    keras.utils.set_random_seed(settings["seed"])
+    corpus = load_corpus(settings, args.data_dir)
+    settings["source_lang"], settings["target_lang"] = corpus.source_lang, corpus.target_lang
+    is_chief = distribution.is_chief(strategy)
+    tokenizer = prepare_tokenizer(run, corpus, settings, strategy)
+    if settings["epochs"] is not None:
+        settings["train_steps"] = steps_for_epochs(corpus, tokenizer, settings, strategy.num_replicas_in_sync)
+
+    def model_fn(dtype):
+        if saved_config is not None:
+            return Transformer(**saved_config["model"], dtype=dtype)
+        return Transformer.from_preset(
+            settings["preset"], tokenizer.vocab_size, dropout_rate=settings["dropout"], dtype=dtype
+        )
+
+    config = TrainingConfig(
+        train_steps=settings["train_steps"],
+        max_minutes=settings["max_minutes"],
+        warmup_steps=settings["warmup_steps"],
+        learning_rate_scale=settings["learning_rate_scale"],
+        label_smoothing=settings["label_smoothing"],
+        log_every=settings["log_every"],
+        checkpoint_every=settings["checkpoint_every"],
+        keep_checkpoints=settings["keep_checkpoints"],
+        eval_every=settings["eval_every"],
+        mixed_precision=settings["mixed_precision"],
+        jit_compile=settings["jit_compile"],
+    )
+    validator = None
+    if is_chief and corpus.validation:
+        validator = evaluation.Validator(
+            corpus.validation, tokenizer, label_smoothing=settings["label_smoothing"],
+            bleu_sentences=settings["bleu_sentences"], beam_size=settings["beam_size"], alpha=settings["alpha"],
+            token_budget=settings["token_budget"], max_length=settings["max_length"], target_lang=corpus.target_lang,
+        )
+    trainer = Trainer(strategy, model_fn, run, config, validate_fn=validator)
+    if is_chief:
+        run_dir_lib.write_config(run, run_config(settings, run_dir_lib.model_config(trainer.model)))
+        logger.info("Run directory: %s (TensorBoard: tensorboard --logdir %s)", run, run / run_dir_lib.LOG_DIR)
+    model_proto = tokenizer.model_proto
+
+    def dataset_fn(input_context):
+        # A tokenizer per input pipeline: its SentencePiece resource must live where the
+        # distributed dataset runs.
+        return data.make_training_dataset(
+            corpus.train, SubwordTokenizer(model_proto), token_budget=settings["token_budget"],
+            max_length=settings["max_length"], seed=settings["seed"], input_context=input_context,
+        )
+
+    result = trainer.fit(dataset_fn)
+    if result.step > result.start_step:
+        logger.info("Trained steps %d-%d in %s; %s target tokens/s.", result.start_step + 1, result.step,
+                    format_duration(result.seconds), f"{result.tokens_per_second:,.0f}")
+    if is_chief:
+        final_evaluation(run, corpus, settings)
+    return 0
+
+
+def main(argv=None):
+    """Runs the command line `argv`; returns the exit code (2 for bad flags or data)."""
+    args = build_parser().parse_args(argv)
+    from keras_transformer.corpora import CorpusError, DatasetUnavailableError
+    from keras_transformer.run_dir import RunDirError
+
+    try:
+        return train(args)
+    except (SettingsError, RunDirError, DatasetUnavailableError, CorpusError) as error:
+        print(f"train.py: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("train.py: interrupted; run the same command to resume.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
