@@ -1,0 +1,82 @@
+"""`python -m export --run-dir RUN --out models/transformer [--version N]`: see `export`."""
+
+import argparse
+import itertools
+import sys
+
+from export import ExportError, export_run
+from keras_transformer.run_dir import RunDirError
+from keras_transformer.translator import DEFAULT_MAX_INPUT_LENGTH, MAX_BEAM_SIZE
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m export",
+        description="Export a trained run as a SavedModel for TF Serving (versioned layout), "
+        "checked against the in-process model before it is published.",
+    )
+    parser.add_argument("--run-dir", required=True, help="Training run directory.")
+    parser.add_argument(
+        "--out", required=True, help="Model base directory, e.g. models/transformer."
+    )
+    parser.add_argument("--version", type=int, help="Version number (default: the next free one).")
+    parser.add_argument(
+        "--checkpoint",
+        default="best",
+        help='"best" (default), "averaged", "latest" or a checkpoint path.',
+    )
+    parser.add_argument(
+        "--model-name", help="Model name in the warmup requests (default: --out's name)."
+    )
+    parser.add_argument(
+        "--beam-size", type=int, default=4, help=f"serving_default's beam (1-{MAX_BEAM_SIZE})."
+    )
+    parser.add_argument(
+        "--alpha", type=float, default=0.6, help="serving_default's length penalty."
+    )
+    parser.add_argument(
+        "--max-extra-length", type=int, default=50, help="Outputs: source length + this at most."
+    )
+    parser.add_argument(
+        "--max-input-length",
+        type=int,
+        default=DEFAULT_MAX_INPUT_LENGTH,
+        help="Sources are cut to this many tokens, EOS included.",
+    )
+    parser.add_argument(
+        "--check-file", help="Also check the export on this file's sentences (one per line)."
+    )
+    parser.add_argument("--check-lines", type=int, default=16, help="Lines of --check-file to use.")
+    return parser.parse_args(argv)
+
+
+def read_check_sentences(path, lines):
+    if path is None:
+        return []
+    with open(path, encoding="utf-8", errors="replace") as file:
+        return [line.rstrip("\n") for line in itertools.islice(file, lines)]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        export_run(
+            args.run_dir,
+            args.out,
+            version=args.version,
+            which=args.checkpoint,
+            model_name=args.model_name,
+            check_sentences=read_check_sentences(args.check_file, args.check_lines),
+            beam_size=args.beam_size,
+            alpha=args.alpha,
+            max_extra_length=args.max_extra_length,
+            max_input_length=args.max_input_length,
+        )
+    except (ExportError, RunDirError, ValueError, OSError) as error:
+        print(f"export failed: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Translates with an exported SavedModel using only `tensorflow` and `tensorflow_text`.
+
+Run by tests/test_export.py in a fresh process, as a serving host without this package
+would: `python standalone_translate.py EXPORT_DIR REQUESTS_JSON RESULTS_JSON`.
+REQUESTS_JSON holds `{"text": [...], "options": {"beam_size": .., "alpha": .., "max_length": ..}}`;
+RESULTS_JSON receives the outputs of `serving_default` and `translate_with_options`.
+"""
+
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_text  # noqa: F401  Registers the SentencePiece ops.
+
+
+def as_json(outputs):
+    """Outputs as lists of str and float."""
+    return {
+        name: np.char.decode(tensor.numpy().astype(bytes), "utf-8").tolist()
+        if tensor.dtype == tf.string
+        else tensor.numpy().tolist()
+        for name, tensor in outputs.items()
+    }
+
+
+def main(export_dir, requests_path, results_path):
+    assert "keras_transformer" not in sys.modules
+    with open(requests_path) as file:
+        requests = json.load(file)
+    signatures = tf.saved_model.load(export_dir).signatures
+    text = tf.constant(requests["text"], dtype=tf.string)
+    options = requests["options"]
+    results = {
+        "serving_default": as_json(signatures["serving_default"](text=text)),
+        "translate_with_options": as_json(
+            signatures["translate_with_options"](
+                text=text,
+                beam_size=tf.constant(options["beam_size"]),
+                alpha=tf.constant(options["alpha"], tf.float32),
+                max_length=tf.constant(options["max_length"]),
+            )
+        ),
+        "keras_transformer_imported": any(
+            name.startswith("keras_transformer") for name in sys.modules
+        ),
+    }
+    with open(results_path, "w") as file:
+        json.dump(results, file)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

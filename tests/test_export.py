@@ -1,0 +1,448 @@
+"""The exported SavedModel: layout, signatures, a TF-only process, bad inputs, clients, CLIs.
+
+TF Serving itself cannot run here (no Docker); the REST and gRPC clients are tested
+against local servers on 127.0.0.1 that evaluate the SavedModel, so the request and
+response formats are exercised end to end.
+"""
+
+import http.server
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_text  # noqa: F401
+
+import export
+from export import client
+from keras_transformer import run_dir
+from keras_transformer.translator import Translator
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_NAME = "transformer"
+
+
+@pytest.fixture(scope="module")
+def sentences(multi30k_dir):
+    """16 Multi30k validation sources."""
+    from keras_transformer.corpora import load_multi30k
+
+    return [source for source, _ in load_multi30k(multi30k_dir).validation[:16]]
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_translation_run, sentences, tmp_path_factory):
+    """`(version directory, log lines)` of the tiny run exported under models/transformer."""
+    base = tmp_path_factory.mktemp("models") / MODEL_NAME
+    lines = []
+    version_dir = export.export_run(
+        tiny_translation_run, base, check_sentences=sentences[:4], log=lines.append
+    )
+    return version_dir, lines
+
+
+@pytest.fixture(scope="module")
+def translator(tiny_translation_run):
+    return Translator.from_run_dir(tiny_translation_run)
+
+
+@pytest.fixture(scope="module")
+def served(exported):
+    """The reloaded SavedModel's signatures."""
+    return tf.saved_model.load(str(exported[0])).signatures
+
+
+def translate(signature, texts, **options):
+    inputs = {"text": tf.constant(texts, dtype=tf.string)}
+    if options:
+        inputs.update(
+            beam_size=tf.constant(options["beam_size"]),
+            alpha=tf.constant(options["alpha"], tf.float32),
+            max_length=tf.constant(options["max_length"]),
+        )
+    return {name: value.numpy() for name, value in signature(**inputs).items()}
+
+
+# ---------------------------------------------------------------------------
+# Layout and self-check
+# ---------------------------------------------------------------------------
+
+
+def test_export_writes_a_checked_version_in_tf_servings_layout(exported, tiny_translation_run):
+    version_dir, lines = exported
+    assert version_dir.name == "1" and [p.name for p in version_dir.parent.iterdir()] == ["1"]
+    for name in ("saved_model.pb", "variables/variables.index", "assets/tokenizer.model"):
+        assert (version_dir / name).is_file(), name
+    assert (version_dir / "assets/tokenizer.model").read_bytes() == run_dir.tokenizer_path(
+        tiny_translation_run
+    ).read_bytes()
+    checks = [line for line in lines if line.strip().startswith("ok:")]
+    assert len(checks) == 5 and any("as the in-process translator" in line for line in checks)
+    assert export.next_version(version_dir.parent) == 2
+    with pytest.raises(export.ExportError, match="exists"):
+        export.export_run(tiny_translation_run, version_dir.parent, version=1)
+
+
+def test_warmup_requests_are_prediction_logs_that_the_model_answers(exported, served):
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    records = list(tf.data.TFRecordDataset(str(exported[0] / "assets.extra" / export.WARMUP_FILE)))
+    assert len(records) == 2
+    for record in records:
+        log = prediction_log_pb2.PredictionLog.FromString(record.numpy())
+        request = log.predict_log.request
+        assert request.model_spec.name == MODEL_NAME
+        assert request.model_spec.signature_name == "serving_default"
+        text = tf.make_ndarray(request.inputs["text"])
+        assert len(translate(served["serving_default"], list(text))["translation"]) == len(text)
+
+
+def test_warmup_bytes_without_the_serving_api_are_the_same_protos():
+    tensor = tf.make_tensor_proto(
+        np.array([b"A dog.", b"Two cats."], dtype=object), dtype=tf.string
+    )
+    inputs = {"text": tensor}
+    assert export._prediction_log_bytes(
+        MODEL_NAME, "serving_default", inputs
+    ) == export._prediction_log(MODEL_NAME, "serving_default", inputs)
+
+
+def parse_saved_model_cli(output):
+    """`{signature: {"inputs"|"outputs": {name: (dtype, shape)}}}` from `saved_model_cli show`."""
+    signatures, signature, section, tensor = {}, None, None, None
+    for line in output.splitlines():
+        line = line.strip()
+        if match := re.match(r"signature_def\['(.+)'\]:", line):
+            signature = signatures.setdefault(match[1], {"inputs": {}, "outputs": {}})
+        elif match := re.match(r"(inputs|outputs)\['(.+)'\] tensor_info:", line):
+            section, tensor = match[1], match[2]
+        elif match := re.match(r"dtype: (\w+)", line):
+            dtype = match[1]
+        elif (match := re.match(r"shape: (.+)", line)) and signature is not None:
+            signature[section][tensor] = (dtype, match[1])
+    return signatures
+
+
+def test_saved_model_cli_lists_the_signatures(exported):
+    output = subprocess.run(
+        ["saved_model_cli", "show", "--all", "--dir", str(exported[0])],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    signatures = parse_saved_model_cli(output)
+    assert signatures["serving_default"] == {
+        "inputs": {"text": ("DT_STRING", "(-1)")},
+        "outputs": {"translation": ("DT_STRING", "(-1)"), "score": ("DT_FLOAT", "(-1)")},
+    }
+    assert signatures["translate_with_options"] == {
+        "inputs": {
+            "text": ("DT_STRING", "(-1)"),
+            "beam_size": ("DT_INT32", "()"),
+            "alpha": ("DT_FLOAT", "()"),
+            "max_length": ("DT_INT32", "()"),
+        },
+        "outputs": {
+            "translation": ("DT_STRING", "(-1)"),
+            "score": ("DT_FLOAT", "(-1)"),
+            "translations": ("DT_STRING", "(-1, -1)"),
+            "scores": ("DT_FLOAT", "(-1, -1)"),
+        },
+    }
+
+
+# ---------------------------------------------------------------------------
+# Serving without this package
+# ---------------------------------------------------------------------------
+
+
+def test_a_process_with_only_tensorflow_translates_like_the_in_process_translator(
+    exported, translator, sentences, tmp_path
+):
+    options = {"beam_size": 2, "alpha": 1.0, "max_length": 0}
+    requests = tmp_path / "requests.json"
+    results = tmp_path / "results.json"
+    requests.write_text(json.dumps({"text": sentences, "options": options}))
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "standalone_translate.py"),
+            str(exported[0]),
+            str(requests),
+            str(results),
+        ],
+        check=True,
+        cwd=tmp_path,  # not the repository, so that nothing of it is importable by accident
+    )
+    found = json.loads(results.read_text())
+    assert not found["keras_transformer_imported"]
+
+    expected = translate(translator.translate, sentences)
+    assert found["serving_default"]["translation"] == [t.decode() for t in expected["translation"]]
+    np.testing.assert_allclose(found["serving_default"]["score"], expected["score"], rtol=1e-5)
+    expected = translate(translator.translate_with_options, sentences, **options)
+    assert found["translate_with_options"]["translations"] == [
+        [t.decode() for t in row] for row in expected["translations"]
+    ]
+    np.testing.assert_allclose(
+        found["translate_with_options"]["scores"], expected["scores"], rtol=1e-5
+    )
+
+
+# ---------------------------------------------------------------------------
+# Bad inputs, against the reloaded model
+# ---------------------------------------------------------------------------
+
+LONG_TEXT = "word " * 2000  # 10000 characters, far more tokens than the input limit
+BAD_INPUTS = [
+    b"",
+    b"   \t ",
+    LONG_TEXT.encode(),
+    b"A \xff\xfe dog \xc3\x28 runs.",  # invalid UTF-8
+    "Ein 🐕 läuft. 你好世界 مرحبا ᚠᚢᚦ".encode(),
+]
+
+
+def test_an_empty_batch_gives_empty_outputs(served):
+    for name, options in (
+        ("serving_default", {}),
+        ("translate_with_options", {"beam_size": 3, "alpha": 0.6, "max_length": 0}),
+    ):
+        outputs = translate(served[name], [], **options)
+        assert all(len(value) == 0 for value in outputs.values())
+
+
+def test_bad_inputs_never_fail_and_do_not_change_their_neighbours(served, sentences):
+    signature = served["serving_default"]
+    alone = [translate(signature, [sentence]) for sentence in sentences[:4]]
+    mixed_batch = [
+        sentences[0],
+        *BAD_INPUTS[:3],
+        sentences[1],
+        *BAD_INPUTS[3:],
+        sentences[2],
+        sentences[3],
+    ]
+    mixed = translate(signature, mixed_batch)
+    for index, sentence_alone in zip((0, 4, 7, 8), alone, strict=True):
+        assert mixed["translation"][index] == sentence_alone["translation"][0]
+        np.testing.assert_allclose(mixed["score"][index], sentence_alone["score"][0], rtol=1e-5)
+    for text in mixed["translation"]:
+        text.decode("utf-8")  # valid UTF-8, as JSON responses need
+    assert np.isfinite(mixed["score"]).all()
+    # Empty and whitespace-only inputs translate to nothing, with certainty.
+    assert list(mixed["translation"][1:3]) == [b"", b""] and list(mixed["score"][1:3]) == [0.0, 0.0]
+
+
+def test_long_inputs_are_translated_from_their_first_tokens(served, tiny_translation_run):
+    from keras_transformer.tokenizer import SubwordTokenizer
+    from keras_transformer.translator import DEFAULT_MAX_INPUT_LENGTH
+
+    tokenizer = SubwordTokenizer.load(run_dir.tokenizer_path(tiny_translation_run))
+    kept = tokenizer.tokenize([LONG_TEXT])[:, : DEFAULT_MAX_INPUT_LENGTH - 1]
+    truncated_text = tokenizer.detokenize(kept).numpy()[0]
+    assert len(truncated_text) < len(LONG_TEXT)
+    signature = served["serving_default"]
+    assert (
+        translate(signature, [LONG_TEXT])["translation"]
+        == translate(signature, [truncated_text])["translation"]
+    )
+
+
+def test_options_out_of_range_are_clipped_not_fatal(served, sentences):
+    signature = served["translate_with_options"]
+    for beam_size, width in ((0, 1), (-3, 1), (1000, 16)):
+        outputs = translate(
+            signature, sentences[:2] + [BAD_INPUTS[0]], beam_size=beam_size, alpha=0.6, max_length=0
+        )
+        assert outputs["translations"].shape == (3, width) and outputs["scores"].shape == (3, width)
+    capped = translate(signature, sentences[:2], beam_size=2, alpha=0.0, max_length=3)
+    assert (capped["score"] < 0).all()
+    greedy = translate(
+        served["translate_with_options"], sentences[:2], beam_size=1, alpha=0.6, max_length=0
+    )
+    assert greedy["translations"].shape == (2, 1)
+
+
+# ---------------------------------------------------------------------------
+# REST and gRPC clients, against local servers that evaluate the SavedModel
+# ---------------------------------------------------------------------------
+
+
+class PredictHandler(http.server.BaseHTTPRequestHandler):
+    """TF Serving's REST predict API (row and columnar formats) over `self.server.signatures`."""
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        match = re.fullmatch(r"/v1/models/([^/:]+)(?:/versions/\d+)?:predict", self.path)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if not match or match[1] != MODEL_NAME:
+            return self.answer(404, {"error": f"Servable not found for request: {self.path}"})
+        signature = self.server.signatures[body.get("signature_name", "serving_default")]
+        if "instances" in body:
+            outputs = translate(signature, body["instances"])
+            columns = {name: self.json_values(value) for name, value in outputs.items()}
+            rows = [
+                dict(zip(columns, row, strict=True)) for row in zip(*columns.values(), strict=True)
+            ]
+            return self.answer(200, {"predictions": rows})
+        inputs = dict(body["inputs"])
+        outputs = translate(signature, inputs.pop("text"), **inputs)
+        return self.answer(
+            200, {"outputs": {name: self.json_values(value) for name, value in outputs.items()}}
+        )
+
+    @staticmethod
+    def json_values(array):
+        return (
+            np.char.decode(array.astype(bytes), "utf-8").tolist()
+            if array.dtype == object
+            else array.tolist()
+        )
+
+    def answer(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def rest_server(served):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PredictHandler)
+    server.signatures = served
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_rest_client_row_and_columnar_requests(rest_server, translator, sentences):
+    expected = translate(translator.translate, sentences[:3])
+    results = client.translate_rest(rest_server, MODEL_NAME, sentences[:3])
+    assert [r["translation"] for r in results] == [t.decode() for t in expected["translation"]]
+    np.testing.assert_allclose([r["score"] for r in results], expected["score"], rtol=1e-5)
+
+    options = {"beam_size": 3, "alpha": 0.6, "max_length": 0}
+    results = client.translate_rest(rest_server, MODEL_NAME, sentences[:3], options=options)
+    assert [len(r["translations"]) for r in results] == [3, 3, 3]
+    assert [r["translations"][0] for r in results] == [r["translation"] for r in results]
+
+    with pytest.raises(client.ServingError, match="404"):
+        client.translate_rest(rest_server, "no_such_model", sentences[:1])
+
+
+def test_client_cli_prints_translations(rest_server, translator, sentences, capsys):
+    assert (
+        client.main(["--rest", rest_server, "--model", MODEL_NAME, sentences[0], sentences[1]]) == 0
+    )
+    expected = translate(translator.translate, sentences[:2])["translation"]
+    assert capsys.readouterr().out.splitlines() == [t.decode() for t in expected]
+
+
+@pytest.fixture(scope="module")
+def grpc_server(served):
+    import grpc
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+    class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
+        def Predict(self, request, context):  # noqa: N802 (the gRPC method name)
+            signature = served[request.model_spec.signature_name or "serving_default"]
+            inputs = {name: tf.make_ndarray(tensor) for name, tensor in request.inputs.items()}
+            outputs = signature(**{name: tf.constant(value) for name, value in inputs.items()})
+            response = predict_pb2.PredictResponse()
+            for name, value in outputs.items():
+                response.outputs[name].CopyFrom(tf.make_tensor_proto(value.numpy()))
+            return response
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(PredictionService(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(grace=None)
+
+
+def test_grpc_client(grpc_server, translator, sentences):
+    expected = translate(translator.translate, sentences[:3])
+    results = client.translate_grpc(grpc_server, MODEL_NAME, sentences[:3])
+    assert [r["translation"] for r in results] == [t.decode() for t in expected["translation"]]
+    np.testing.assert_allclose([r["score"] for r in results], expected["score"], rtol=1e-5)
+    results = client.translate_grpc(
+        grpc_server,
+        MODEL_NAME,
+        sentences[:2],
+        options={"beam_size": 2, "alpha": 0.6, "max_length": 0},
+    )
+    assert [len(r["scores"]) for r in results] == [2, 2]
+
+
+# ---------------------------------------------------------------------------
+# translate.py
+# ---------------------------------------------------------------------------
+
+
+def load_translate_cli():
+    spec = importlib.util.spec_from_file_location("translate_cli", REPO / "translate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_translate_cli_with_a_saved_model_and_with_a_run_dir(
+    exported, tiny_translation_run, translator, sentences, tmp_path, capsys
+):
+    cli = load_translate_cli()
+    input_file = tmp_path / "input.txt"
+    input_file.write_text("\n".join(sentences[:5]) + "\n")
+    expected = [t.decode() for t in translate(translator.translate, sentences[:5])["translation"]]
+
+    assert (
+        cli.main(
+            [
+                "--saved-model",
+                str(exported[0].parent),
+                "--input",
+                str(input_file),
+                "--batch-size",
+                "2",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.splitlines() == expected
+
+    assert cli.main(["--run-dir", str(tiny_translation_run), *sentences[:2]]) == 0
+    assert capsys.readouterr().out.splitlines() == expected[:2]
+
+    assert (
+        cli.main(["--saved-model", str(exported[0]), "--n-best", "--beam-size", "2", sentences[0]])
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.startswith("0 ||| ") for line in lines)
+
+
+def test_the_example_models_config_is_a_valid_model_server_config():
+    from google.protobuf import text_format
+    from tensorflow_serving.config import model_server_config_pb2
+
+    config = text_format.Parse(
+        (REPO / "export" / "models.config").read_text(), model_server_config_pb2.ModelServerConfig()
+    )
+    (model,) = config.model_config_list.config
+    assert (model.name, model.base_path) == (MODEL_NAME, f"/models/{MODEL_NAME}")

@@ -1,0 +1,150 @@
+"""Translate sentences with a trained run or an exported SavedModel.
+
+    python translate.py --run-dir runs/multi30k "A man is riding a bike."
+    python translate.py --saved-model models/transformer < sentences.en > sentences.de
+    python translate.py --saved-model models/transformer --beam-size 8 --n-best --input val.en
+
+Sentences come from the arguments, else from `--input` or stdin, one per line, and are
+translated in batches of `--batch-size`; translations are printed in input order, one
+per line (`--scores`: "score<TAB>translation"; `--n-best`: "index ||| translation |||
+score" for every hypothesis). Sources longer than the translator's maximum input length
+(256 tokens by default) are translated from their beginning only; empty lines give
+empty lines.
+
+With `--run-dir`, the run's best checkpoint (the averaged one if present) is loaded
+into an in-process `Translator`; with `--saved-model`, a version directory or a model
+base directory (its highest version is used) is loaded with `tf.saved_model.load`.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import tensorflow as tf
+import tensorflow_text  # noqa: F401  Registers the SentencePiece ops a SavedModel needs.
+
+DEFAULT_BEAM_SIZE = 4
+DEFAULT_ALPHA = 0.6
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run-dir", help="Training run directory.")
+    source.add_argument(
+        "--saved-model", help="Exported model: a version directory or the base directory."
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default="best",
+        help='With --run-dir: "best", "averaged", "latest" or a path.',
+    )
+    parser.add_argument(
+        "--beam-size", type=int, help=f"Beam size (default {DEFAULT_BEAM_SIZE}; 1 is greedy)."
+    )
+    parser.add_argument("--alpha", type=float, help=f"Length penalty (default {DEFAULT_ALPHA}).")
+    parser.add_argument(
+        "--max-length", type=int, help="Most output tokens (default: source length + 50)."
+    )
+    parser.add_argument(
+        "--n-best", action="store_true", help="Print all beam_size hypotheses per sentence."
+    )
+    parser.add_argument("--scores", action="store_true", help="Print 'score<TAB>translation'.")
+    parser.add_argument("--batch-size", type=int, default=32, help="Sentences per batch.")
+    parser.add_argument("--input", help="File of sentences, one per line (default: stdin).")
+    parser.add_argument("sentences", nargs="*", help="Sentences to translate.")
+    args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error("--batch-size must be at least 1.")
+    return args
+
+
+def wants_options(args):
+    """Whether `translate_with_options` is needed: n-best, a length cap, or SavedModel options."""
+    chosen = args.beam_size is not None or args.alpha is not None
+    return args.n_best or args.max_length is not None or (args.saved_model is not None and chosen)
+
+
+def load_translator(args):
+    """`(module, signatures)`: an in-process `Translator` for --run-dir, else the loaded SavedModel.
+
+    Keep `module` referenced while using `signatures`: it owns their variables and resources.
+    """
+    if args.saved_model:
+        module = tf.saved_model.load(str(version_directory(args.saved_model)))
+        return module, module.signatures
+    from keras_transformer.translator import Translator
+
+    beam_size = DEFAULT_BEAM_SIZE if args.beam_size is None else args.beam_size
+    alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
+    module = Translator.from_run_dir(
+        args.run_dir, args.checkpoint, beam_size=beam_size, alpha=alpha
+    )
+    return module, module.signatures()
+
+
+def translate_fn(signatures, args):
+    """`text [batch] -> outputs` through the signature the options need."""
+    if not wants_options(args):
+        return lambda text: signatures["serving_default"](text=text)
+    options = {
+        "beam_size": tf.constant(DEFAULT_BEAM_SIZE if args.beam_size is None else args.beam_size),
+        "alpha": tf.constant(DEFAULT_ALPHA if args.alpha is None else args.alpha, tf.float32),
+        "max_length": tf.constant(args.max_length or 0),
+    }
+    return lambda text: signatures["translate_with_options"](text=text, **options)
+
+
+def version_directory(path):
+    """`path` if it holds a SavedModel, else its highest-numbered version subdirectory."""
+    path = Path(path)
+    if (path / "saved_model.pb").is_file():
+        return path
+    versions = sorted((p for p in path.glob("*") if p.name.isdigit()), key=lambda p: int(p.name))
+    if not versions:
+        raise SystemExit(f"{path} holds neither a saved_model.pb nor numbered version directories.")
+    return versions[-1]
+
+
+def read_sentences(args):
+    """Sentences as UTF-8 bytes (invalid bytes are passed on; the translator copes)."""
+    if args.sentences:
+        return [sentence.encode() for sentence in args.sentences]
+    lines = open(args.input, "rb") if args.input else sys.stdin.buffer
+    with lines:
+        return [line.rstrip(b"\r\n") for line in lines]
+
+
+def batches(items, size):
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def print_results(results, first_index, args):
+    for offset, translation in enumerate(results["translation"].numpy()):
+        if args.n_best:
+            for text, score in zip(
+                results["translations"][offset].numpy(),
+                results["scores"][offset].numpy(),
+                strict=True,
+            ):
+                print(f"{first_index + offset} ||| {text.decode()} ||| {score:.4f}")
+        elif args.scores:
+            print(f"{results['score'][offset].numpy():.4f}\t{translation.decode()}")
+        else:
+            print(translation.decode())
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    module, signatures = load_translator(args)  # noqa: F841  `module` must outlive the signatures.
+    translate = translate_fn(signatures, args)
+    sentences = read_sentences(args)
+    for index, batch in enumerate(batches(sentences, args.batch_size)):
+        print_results(translate(tf.constant(batch, dtype=tf.string)), index * args.batch_size, args)
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
