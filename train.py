@@ -40,12 +40,12 @@ RECIPES = {
     # The default: ~10 minutes in all on a 2-core CPU (training stops at its time budget).
     "small": dict(
         train_steps=4000, max_minutes=8.0, token_budget=4096, warmup_steps=800, learning_rate_scale=2.0,
-        log_every=25, checkpoint_every=100, keep_checkpoints=5, eval_every=0, average_last=5, bleu_sentences=200,
+        log_every=25, checkpoint_every=100, keep_checkpoints=5, eval_every=0, average_last=0, bleu_sentences=200,
     ),
     # Best Multi30k BLEU in about an hour of CPU training.
     "medium": dict(
-        train_steps=20000, max_minutes=60.0, token_budget=4096, warmup_steps=1000, learning_rate_scale=2.0,
-        log_every=50, checkpoint_every=250, keep_checkpoints=10, eval_every=1000, average_last=5, bleu_sentences=300,
+        train_steps=20000, max_minutes=60.0, token_budget=4096, warmup_steps=1000, learning_rate_scale=1.5,
+        log_every=50, checkpoint_every=100, keep_checkpoints=6, eval_every=400, average_last=5, bleu_sentences=300,
     ),
     # The paper: 100k steps of ~25k source + 25k target tokens (4096 padded tokens x 8 GPUs),
     # average of the last 5 checkpoints written every 10 minutes (~every 1500 steps here).
@@ -71,14 +71,15 @@ DATASET_DEFAULTS = {
 }
 
 GENERAL_DEFAULTS = dict(
-    seed=0, label_smoothing=0.1, beam_size=4, alpha=0.6, mixed_precision="none", jit_compile=False
+    long_sentences="filter", seed=0, label_smoothing=0.1, beam_size=4, alpha=0.6, mixed_precision="none",
+    jit_compile=False,
 )
 
 # Settings that fix the model, the vocabulary or the data stream of a run: resuming
 # with another value is an error.
 PINNED = (
-    "preset", "dataset", "source_lang", "target_lang", "vocab_size", "max_length", "token_budget", "seed",
-    "dropout", "warmup_steps", "learning_rate_scale", "label_smoothing", "mixed_precision",
+    "preset", "dataset", "source_lang", "target_lang", "vocab_size", "max_length", "long_sentences",
+    "token_budget", "seed", "dropout", "warmup_steps", "learning_rate_scale", "label_smoothing", "mixed_precision",
 )
 # Where config.json keeps each setting; the rest go under "train".
 _CONFIG_LOCATIONS = {
@@ -87,13 +88,15 @@ _CONFIG_LOCATIONS = {
     "target_lang": ("data", "target_lang"),
     "vocab_size": ("data", "vocab_size"),
     "max_length": ("data", "max_length"),
+    "long_sentences": ("data", "long_sentences"),
     "token_budget": ("data", "token_budget"),
     "dropout": ("model", "dropout_rate"),
 }
 # Settings saved in config.json; the others (paths, devices, --average-only) are per command.
 SAVED = (
-    "preset", "dataset", "source_lang", "target_lang", "vocab_size", "max_length", "token_budget", "seed",
-    "dropout", "warmup_steps", "learning_rate_scale", "label_smoothing", "mixed_precision", "jit_compile",
+    "preset", "dataset", "source_lang", "target_lang", "vocab_size", "max_length", "long_sentences",
+    "token_budget", "seed", "dropout", "warmup_steps", "learning_rate_scale", "label_smoothing", "mixed_precision",
+    "jit_compile",
     "train_steps", "epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
     "average_last", "bleu_sentences", "beam_size", "alpha",
 )
@@ -174,6 +177,9 @@ def build_parser():
     what.add_argument("--max-length", type=positive_int, default=None,
                       help="Longest sequence in tokens; longer training pairs are dropped. "
                            "[128; wmt14: 256]")
+    what.add_argument("--long-sentences", choices=("filter", "truncate"), default=None,
+                      help="Training pairs with a side longer than --max-length: dropped (filter) or cut "
+                           "to fit (truncate). [filter]")
     what.add_argument("--dropout", type=probability, default=None,
                       help="Dropout rate P_drop (residual and embedding dropout). [the preset's]")
 
@@ -223,7 +229,9 @@ def build_parser():
                      help="Validation sentences translated for the validation BLEU (0: none).")
     run.add_argument("--average-last", type=non_negative_int, default=None,
                      help="Average the last N checkpoints into RUN/averaged for the final evaluation "
-                          "(paper: 5 for base, 20 for big). 0: use the last checkpoint.")
+                          "(paper: 5 for base, 20 for big), kept only if its validation BLEU is at least "
+                          "the last checkpoint's. 0: use the last checkpoint. [small: 0, medium/base: 5, "
+                          "big: 20]")
     run.add_argument("--average-only", action="store_true",
                      help="Only average the last --average-last checkpoints of --run-dir, then exit.")
     run.add_argument("--beam-size", type=positive_int, default=None, help="Beam size of the translations. [4]")
@@ -379,7 +387,8 @@ def prepare_tokenizer(run, corpus, settings, strategy):
         started = time.monotonic()
         tokenizer = train_tokenizer(corpus.training_sentences(), settings["vocab_size"], seed=settings["seed"])
         tokenizer.save(path)
-        logger.info("Learned a %d-token BPE vocabulary in %.0fs: %s", tokenizer.vocab_size, time.monotonic() - started, path)
+        logger.info("Learned a %d-token BPE vocabulary in %.0fs: %s", tokenizer.vocab_size,
+                    time.monotonic() - started, path)
     distribution.barrier(strategy)  # The other workers read the chief's file.
     return SubwordTokenizer.load(path)
 
@@ -390,11 +399,12 @@ def steps_for_epochs(corpus, tokenizer, settings, num_replicas):
 
     batches = data.make_training_dataset(
         corpus.train, tokenizer, token_budget=settings["token_budget"], max_length=settings["max_length"],
-        seed=settings["seed"],
+        long_sentences=settings["long_sentences"], seed=settings["seed"],
     )
     per_epoch = int(batches.reduce(0, lambda count, _: count + 1))
     steps = max(1, math.ceil(settings["epochs"] * per_epoch / num_replicas))
-    logger.info("%g epochs = %d steps (%d batches per epoch over %d replica(s)).", settings["epochs"], steps, per_epoch, num_replicas)
+    logger.info("%g epochs = %d steps (%d batches per epoch over %d replica(s)).", settings["epochs"], steps,
+                per_epoch, num_replicas)
     return steps
 
 
@@ -408,17 +418,52 @@ def average_only(run, settings):
     return 0
 
 
+def average_if_better(run, corpus, settings):
+    """Averages the last checkpoints, and keeps the average only if it translates better.
+
+    The paper averages the checkpoints of a long, converged run, where it smooths the
+    noise of the last updates. Early in a short run, the older checkpoints are much worse
+    than the latest and so is their mean: the average is kept (as the run's "best"
+    checkpoint, which translate.py and export use) only if its validation BLEU on the
+    first --bleu-sentences sentences is at least the latest checkpoint's.
+    """
+    import shutil
+
+    from keras_transformer import evaluation, run_dir as run_dir_lib
+    from keras_transformer.tokenizer import SubwordTokenizer
+
+    path, averaged = run_dir_lib.average_checkpoints(run, settings["average_last"])
+    logger.info("Averaged the last %d checkpoints (%s) into %s", len(averaged),
+                ", ".join(Path(p).name for p in averaged), path)
+    pairs = list(corpus.validation or [])[: settings["bleu_sentences"]]
+    if len(averaged) < 2 or not pairs:
+        return
+    tokenizer = SubwordTokenizer.load(run_dir_lib.tokenizer_path(run))
+    sources, references = (list(side) for side in zip(*pairs))
+    scores = {}
+    for which in ("averaged", "latest"):
+        translations = evaluation.translate(
+            run_dir_lib.load_model(run, which), tokenizer, sources, beam_size=settings["beam_size"],
+            alpha=settings["alpha"], max_length=settings["max_length"],
+        )
+        scores[which] = evaluation.corpus_bleu(translations, references, corpus.target_lang).score
+    logger.info("Validation BLEU (%d sentences): averaged %.2f, latest %.2f.", len(pairs), scores["averaged"],
+                scores["latest"])
+    if scores["averaged"] < scores["latest"]:
+        shutil.rmtree(run / run_dir_lib.AVERAGED_DIR)
+        logger.info("Dropped the averaged checkpoint: the latest one translates better "
+                    "(python train.py --run-dir %s --average-only --average-last N writes it again).", run)
+
+
 def final_evaluation(run, corpus, settings):
-    """Averages the last checkpoints (if asked), then test BLEU with beam search; writes translations."""
+    """Averages the last checkpoints (if asked and better), then test BLEU with beam search; writes translations."""
     import tensorflow as tf
 
     from keras_transformer import evaluation, run_dir as run_dir_lib
     from keras_transformer.tokenizer import SubwordTokenizer
 
     if settings["average_last"]:
-        path, averaged = run_dir_lib.average_checkpoints(run, settings["average_last"])
-        logger.info("Averaged the last %d checkpoints (%s) into %s", len(averaged),
-                    ", ".join(Path(p).name for p in averaged), path)
+        average_if_better(run, corpus, settings)
     if not corpus.test:
         logger.info("The corpus has no test split; no test BLEU.")
         return
@@ -438,7 +483,8 @@ def final_evaluation(run, corpus, settings):
     evaluation.write_lines(output, translations)
     with tf.summary.create_file_writer(str(run / run_dir_lib.LOG_DIR / "test")).as_default():
         tf.summary.scalar("bleu", bleu.score, step=run_dir_lib.checkpoint_step(which))
-    logger.info("Test BLEU (%s, %d sentences, %.0fs): %s", Path(which).name, len(sources), time.monotonic() - started, bleu)
+    logger.info("Test BLEU (%s, %d sentences, %.0fs): %s", Path(which).name, len(sources),
+                time.monotonic() - started, bleu)
     logger.info("Translations: %s", output)
     for source, reference, translation in list(zip(sources, references, translations))[:3]:
         logger.info("  source:      %s\n  reference:   %s\n  translation: %s", source, reference, translation)
@@ -527,7 +573,8 @@ def train(args):
         # distributed dataset runs.
         return data.make_training_dataset(
             corpus.train, SubwordTokenizer(model_proto), token_budget=settings["token_budget"],
-            max_length=settings["max_length"], seed=settings["seed"], input_context=input_context,
+            max_length=settings["max_length"], long_sentences=settings["long_sentences"], seed=settings["seed"],
+            input_context=input_context,
         )
 
     result = trainer.fit(dataset_fn)

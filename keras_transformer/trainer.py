@@ -247,7 +247,9 @@ class Trainer:
             logger.info("Already trained %d of %d steps; nothing to do.", start_step, config.train_steps)
             return TrainingResult(start_step, start_step, False, 0.0, 0.0)
         if start_step:
-            logger.info("Resuming from step %d (%s).", start_step, tf.train.latest_checkpoint(str(self._checkpoint_dir)))
+            logger.info(
+                "Resuming from step %d (%s).", start_step, tf.train.latest_checkpoint(str(self._checkpoint_dir))
+            )
         logger.info(
             "Training %s (%s parameters) on %d replica(s) for %d steps%s.",
             type(self.model).__name__,

@@ -194,6 +194,38 @@ def test_averaging_the_last_checkpoints(tmp_path):
     assert Path(run_dir.checkpoint_path(tmp_path, "best")).name == "ckpt-40"
 
 
+@pytest.mark.parametrize("better", ["averaged", "latest"])
+def test_the_average_is_kept_only_if_it_translates_the_validation_set_better(tmp_path, monkeypatch, better):
+    """train.py keeps RUN/averaged only when its validation BLEU is at least the latest's."""
+    from keras_transformer import evaluation, tokenizer as tokenizer_lib
+
+    model = Transformer.from_preset("tiny", vocab_size=50)
+    model.build()
+    run_dir.write_config(tmp_path, {"model": run_dir.model_config(model)})
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(tmp_path / "checkpoints"), 3)
+    for step in (10, 20):
+        manager.save(checkpoint_number=step)
+    # Four words at least: BLEU is 0 for a corpus without 4-grams.
+    pairs = [
+        ("a man in a red house", "ein Mann in einem roten Haus"),
+        ("a dog runs on the grass", "ein Hund rennt auf dem Gras"),
+        ("two men play in the street", "zwei Männer spielen auf der Straße"),
+    ]
+    references = [target for _, target in pairs]
+    # Translations stand in for the two checkpoints: the `better` one translates perfectly.
+    monkeypatch.setattr(run_dir, "load_model", lambda run, which: which)
+    monkeypatch.setattr(tokenizer_lib.SubwordTokenizer, "load", lambda path: None)
+    monkeypatch.setattr(
+        evaluation,
+        "translate",
+        lambda model, tokenizer, sources, **kwargs: references if model == better else ["nichts"] * len(sources),
+    )
+    corpus = type("Corpus", (), {"validation": pairs, "target_lang": "de"})()
+    settings = {"average_last": 2, "bleu_sentences": 3, "beam_size": 1, "alpha": 0.6, "max_length": 16}
+    _import_train_script().average_if_better(tmp_path, corpus, settings)
+    assert (tmp_path / run_dir.AVERAGED_DIR).exists() == (better == "averaged")
+
+
 # --- Bad flags ---------------------------------------------------------------------------
 
 

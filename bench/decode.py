@@ -1,0 +1,278 @@
+"""Benchmark: beam-search decoding, per-step time vs output length, cached vs uncached; sentences/s.
+
+Usage:
+    python bench/decode.py                          # newest trained run under runs/, else random
+    python bench/decode.py --run-dir runs/small     # a given run
+    python bench/decode.py --random-preset small    # a randomly initialised model
+
+1. Per-step time (beam 4, batch 1 by default, a 16-token source). To decode a fixed
+   number of steps, the search gets an `eos_id` the model never emits (the vocabulary
+   size: `keras_transformer.decoding.beam_search(eos_id=...)` is there for this), and
+   `max_length=L`: every hypothesis then runs to exactly L tokens. For each L in
+   `--lengths` (10, 40, 160) and each mode (cached graph, cached XLA, uncached graph) the
+   whole search is timed (median of `--repeats`), and two per-step figures are derived:
+
+       per_step_total    = T(L) / L                     (encoder + cache set-up amortised)
+       per_step_marginal = (T(L) - T(1)) / (L - 1)      (the decoder steps alone)
+
+   Targets: cached per_step_marginal at L=160 within 1.5x of L=10; cached T(160) at least
+   4x below uncached T(160).
+
+2. Sentences/s translating the Multi30k test set (1000 sentences, file order) with the
+   run's `keras_transformer.translator.Translator` (text in, text out: tokenizer + beam
+   4 + detokenizer, one `tf.function`), in batches of 1 (`--batch1-sentences`, default
+   the first 200) and of 32 (all). This needs a trained run: a random model rarely
+   emits EOS and decodes to the maximum length, so without a run directory this part
+   is measured on the random model and flagged `"random_model": true`.
+
+Writes `bench/results/decode.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from keras_transformer import decoding  # noqa: E402
+from keras_transformer.model import Transformer  # noqa: E402
+from keras_transformer.tokenizer import EOS_ID  # noqa: E402
+
+MODES = {
+    "cached": dict(use_cache=True, jit_compile=False),
+    "cached_xla": dict(use_cache=True, jit_compile=True),
+    "uncached": dict(use_cache=False, jit_compile=False),
+}
+
+
+def find_run_dir(root: Path) -> Path | None:
+    """The most recently modified run directory under `root` with a config and a checkpoint."""
+    candidates = []
+    if root.is_dir():
+        for config in root.glob("*/config.json"):
+            run = config.parent
+            if any(run.glob("checkpoints/ckpt-*.index")) or any(run.glob("averaged/ckpt-*.index")):
+                candidates.append(run)
+    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+
+
+def load_model(args):
+    """(model, tokenizer or None, description)."""
+    if args.run_dir:
+        from keras_transformer import run_dir
+        from keras_transformer.tokenizer import SubwordTokenizer
+
+        model = run_dir.load_model(args.run_dir)
+        tokenizer = SubwordTokenizer.load(run_dir.tokenizer_path(args.run_dir))
+        return model, tokenizer, {"run_dir": str(args.run_dir), "random_model": False}
+    model = Transformer.from_preset(args.random_preset, args.vocab_size)
+    model.build()
+    return model, None, {"random_preset": args.random_preset, "random_model": True}
+
+
+def model_description(model):
+    return {
+        "num_layers": model.num_layers,
+        "d_model": model.d_model,
+        "num_heads": model.num_heads,
+        "d_ff": model.d_ff,
+        "vocab_size": model.vocab_size,
+        "params": int(model.count_params()),
+    }
+
+
+def time_search(model, source_ids, length, mode, beam_size, repeats):
+    """Median seconds of a search decoding exactly `length` tokens per hypothesis."""
+    options = MODES[mode]
+    never = model.vocab_size  # an id outside the vocabulary: no hypothesis ever ends early
+
+    def run():
+        return decoding.beam_search(
+            model,
+            source_ids,
+            beam_size=beam_size,
+            max_length=length,
+            max_extra_length=length,
+            eos_id=never,
+            **options,
+        )
+
+    start = time.perf_counter()
+    out = run()
+    common.sync(out)
+    first = time.perf_counter() - start
+    lengths = out.lengths.numpy()
+    if not np.all(lengths == length):
+        raise RuntimeError(f"expected {length} decoded tokens, got {lengths}")
+    times = common.time_calls(run, repeats)
+    return {"first_call_s": first, **common.summarize(times)}
+
+
+def per_step_benchmark(model, args):
+    rng = np.random.default_rng(0)
+    source = rng.integers(4, model.vocab_size, size=(args.batch, args.source_length), dtype=np.int32)
+    source[:, -1] = EOS_ID
+    source_ids = tf.constant(source)
+    results = []
+    for mode in args.modes:
+        baseline = None
+        for length in sorted(set([1] + args.lengths)):
+            if mode == "uncached" and length > args.max_uncached_length:
+                continue
+            try:
+                timing = time_search(model, source_ids, length, mode, args.beam_size, args.repeats)
+            except Exception as e:  # e.g. XLA unsupported on this device
+                print(f"[decode] {mode} L={length}: FAILED {e!r}"[:400], flush=True)
+                results.append({"mode": mode, "length": length, "error": repr(e)[:500]})
+                continue
+            total = timing["median_s"]
+            if length == 1:
+                baseline = total
+            entry = {
+                "mode": mode,
+                "length": length,
+                "batch": args.batch,
+                "beam_size": args.beam_size,
+                "source_length": args.source_length,
+                "search": timing,
+                "per_step_total_s": total / length,
+                "per_step_marginal_s": None
+                if baseline is None or length == 1
+                else (total - baseline) / (length - 1),
+            }
+            results.append(entry)
+            marginal = entry["per_step_marginal_s"]
+            print(
+                f"[decode] {mode:10s} L={length:4d}: search {total * 1e3:8.1f} ms, "
+                f"per step {total / length * 1e3:6.2f} ms (total/L)"
+                + ("" if marginal is None else f", {marginal * 1e3:6.2f} ms (marginal)"),
+                flush=True,
+            )
+    return results
+
+
+def targets(per_step):
+    def get(mode, length):
+        for r in per_step:
+            if r["mode"] == mode and r["length"] == length and "search" in r:
+                return r
+        return None
+
+    out = {}
+    for mode in ("cached", "cached_xla"):
+        short, long = get(mode, 10), get(mode, 160)
+        if short and long:
+            ratio = long["per_step_marginal_s"] / short["per_step_marginal_s"]
+            ratio_total = long["per_step_total_s"] / short["per_step_total_s"]
+            out[f"{mode}_step_160_over_10"] = {
+                "marginal": ratio,
+                "total_over_length": ratio_total,
+                "target": "<= 1.5",
+                "met": ratio <= 1.5,
+            }
+        uncached = get("uncached", 160)
+        if long and uncached:
+            speedup = uncached["search"]["median_s"] / long["search"]["median_s"]
+            out[f"{mode}_speedup_vs_uncached_160"] = {"speedup": speedup, "target": ">= 4", "met": speedup >= 4}
+    return out
+
+
+def multi30k_test_sentences(data_dir):
+    from keras_transformer.corpora import load_multi30k
+
+    corpus = load_multi30k(data_dir)
+    return [source for source, _ in corpus.test]
+
+
+def sentences_per_second(model, tokenizer, args):
+    """Translator (text -> text, beam 4) over the Multi30k test sources."""
+    from keras_transformer.translator import Translator
+
+    if tokenizer is None:
+        return {"skipped": "no run directory: no tokenizer"}
+    sentences = multi30k_test_sentences(args.data_dir)
+    translator = Translator(model, tokenizer, beam_size=args.beam_size)
+    results = {}
+    for batch_size, count in ((1, args.batch1_sentences), (32, args.batch32_sentences)):
+        chosen = sentences[: count or len(sentences)]
+        batches = [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
+        warm = translator.translate(tf.constant(batches[0]))  # trace
+        common.sync(warm)
+        start = time.perf_counter()
+        lengths = []
+        for batch in batches:
+            out = translator.translate(tf.constant(batch))
+            lengths += [len(t.split()) for t in out["translation"].numpy().astype(str)]
+        seconds = time.perf_counter() - start
+        results[f"batch_{batch_size}"] = {
+            "sentences": len(chosen),
+            "seconds": seconds,
+            "sentences_per_s": len(chosen) / seconds,
+            "mean_output_words": statistics.mean(lengths) if lengths else 0,
+        }
+        print(
+            f"[decode] Translator batch {batch_size}: {len(chosen) / seconds:.1f} sentences/s "
+            f"({len(chosen)} sentences in {seconds:.1f} s)",
+            flush=True,
+        )
+    return results
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", type=Path, default=None, help="trained run (default: newest under runs/)")
+    parser.add_argument("--random-preset", default=None, help="use a random model of this preset instead")
+    parser.add_argument("--vocab-size", type=int, default=8000, help="vocabulary of a random model")
+    parser.add_argument("--data-dir", default=None, help="Multi30k directory (default: MULTI30K_DIR / shared)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[10, 40, 160])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--beam-size", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1, help="sentences per search in the per-step part")
+    parser.add_argument("--source-length", type=int, default=16, help="source tokens (EOS included)")
+    parser.add_argument("--max-uncached-length", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch1-sentences", type=int, default=200, help="0: all")
+    parser.add_argument("--batch32-sentences", type=int, default=0, help="0: all")
+    parser.add_argument("--skip-sentences", action="store_true", help="only the per-step part")
+    parser.add_argument("--output-name", default="decode")
+    common.add_load_args(parser)
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    if args.data_dir is None:
+        shared = common.REPO_ROOT.parent / "shared" / "data" / "multi30k"
+        import os
+
+        args.data_dir = os.environ.get("MULTI30K_DIR") or (str(shared) if shared.is_dir() else None)
+    if args.run_dir is None and args.random_preset is None:
+        args.run_dir = find_run_dir(common.REPO_ROOT / "runs")
+        if args.run_dir is None:
+            args.random_preset = "small"
+            print("[decode] no trained run under runs/: using a random `small` model", flush=True)
+    model, tokenizer, source = load_model(args)
+    print(f"[decode] model: {source}", flush=True)
+    load = common.quiet(args)
+    payload = common.header("decode", args)
+    payload["model"] = {**source, **model_description(model)}
+    payload["per_step"] = per_step_benchmark(model, args)
+    payload["targets"] = targets(payload["per_step"])
+    for key, value in payload["targets"].items():
+        print(f"[decode] target {key}: {value}", flush=True)
+    if not args.skip_sentences:
+        payload["sentences_per_s"] = sentences_per_second(model, tokenizer, args)
+    payload["load"] = common.finish_load(load)
+    common.write_json(args.output_name, payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""Turns the benchmark JSON files into a Markdown summary and PNG plots.
+
+Usage:
+    python bench/report.py                 # reads and writes bench/results/
+    python bench/report.py --results DIR
+
+Reads `train_throughput.json`, `decode.json` and `serving.json` (whichever exist), and
+writes:
+
+* `RESULTS.md`: the machine, then one table per benchmark, with the targets marked met
+  or missed, and a warning where the machine was busy during a measurement;
+* `train_throughput.png`: training tokens/s per configuration (preset, precision, XLA),
+  one bar per implementation;
+* `decode_step_time.png`: beam-search time per decoding step vs output length
+  (log-log), cached (graph / XLA) and uncached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+IMPL_LABELS = {
+    "ours": "ours (keras_transformer)",
+    "peer": "KerasHub (dropout 0.1 incl. attention)",
+    "peer_noattndrop": "KerasHub (no attention dropout)",
+}
+PRECISION_SHORT = {"float32": "fp32", "mixed_bfloat16": "bf16", "mixed_float16": "fp16"}
+
+
+def load(results_dir: Path, name: str):
+    path = results_dir / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def fmt(value, digits=0):
+    if value is None:
+        return "–"
+    return f"{value:,.{digits}f}"
+
+
+def met(flag):
+    return "met" if flag else "**missed**"
+
+
+def machine_line(payload):
+    m = payload["machine"]
+    gpus = ", ".join(m.get("gpus") or []) or "no GPU"
+    versions = f"TF {m.get('tensorflow')}" + (f", Keras {m['keras']}" if m.get("keras") else "")
+    if m.get("keras_hub"):
+        versions += f", KerasHub {m['keras_hub']}"
+    return f"{m.get('cpu')} ({m.get('cpu_cores')} cores, {m.get('memory_gib')} GiB), {gpus}; {versions}"
+
+
+def load_note(payload):
+    load = payload.get("load") or {}
+    before, after = load.get("load_before"), load.get("load_after")
+    text = f"load average before {before[0] if before else '?'}, after {after[0] if after else '?'}"
+    if load.get("busy"):
+        text += " — **the machine was busy (other jobs on the cores): figures are pessimistic and noisy**"
+    return text
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_section(payload):
+    lines = ["## Training throughput", ""]
+    lines.append(f"`{payload['command']}` — {payload['date_utc']}; {load_note(payload)}.")
+    peaks = payload.get("peak_matmul", {})
+    if peaks:
+        lines.append(
+            "Peak matmul (4096², best of 5, same run): "
+            + ", ".join(f"{k} {v['best_flops'] / 1e9:.0f} GFLOP/s" for k, v in peaks.items())
+            + "."
+        )
+    results = [r for r in payload["results"]]
+    if results:
+        r0 = results[0]
+        lines.append(
+            f"Synthetic batches, source and target {r0['src_len']} tokens each, no padding; "
+            + ", ".join(
+                sorted({f"{r['preset']}: batch {r['batch']} ({r['tokens_per_step']} tokens/step)" for r in results})
+            )
+            + f"; step = `{r0.get('step', 'trainer')}`."
+        )
+    lines += [
+        "",
+        "| preset | precision | XLA | implementation | tokens/s | step ms (median) | model TFLOP/s | MFU "
+        "| ours ÷ this |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    ours = {}
+    for r in results:
+        if r["impl"] == "ours" and "tokens_per_s" in r:
+            ours[(r["preset"], r["precision"], r["jit_compile"])] = r["tokens_per_s"]
+    for r in results:
+        key = (r["preset"], r["precision"], r["jit_compile"])
+        if "tokens_per_s" not in r:
+            lines.append(
+                f"| {r['preset']} | {PRECISION_SHORT.get(r['precision'], r['precision'])} | "
+                f"{'on' if r['jit_compile'] else 'off'} | {r['impl']} | failed: {r.get('error', '')[:60]} | | | | |"
+            )
+            continue
+        ratio = "" if r["impl"] == "ours" or key not in ours else f"{ours[key] / r['tokens_per_s']:.2f}×"
+        lines.append(
+            f"| {r['preset']} | {PRECISION_SHORT.get(r['precision'], r['precision'])} | "
+            f"{'on' if r['jit_compile'] else 'off'} | {r['impl']} | {fmt(r['tokens_per_s'])} | "
+            f"{fmt(r['step_time']['median_s'] * 1e3)} | {r['model_flops_per_s'] / 1e12:.3f} | "
+            f"{r['mfu']:.1%} | {ratio} |"
+        )
+    lines += [
+        "",
+        "MFU: model FLOPs/s over the measured peak of the step's precision (bf16 peak for "
+        "mixed_bfloat16). `peer`: KerasHub `TransformerEncoder`/`TransformerDecoder` with "
+        "`dropout=0.1` (which also drops attention weights); `peer_noattndrop`: the same "
+        "with attention-weight dropout off, i.e. exactly our architecture.",
+        "",
+    ]
+    return lines
+
+
+def plot_train(payload, out: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [r for r in payload["results"] if "tokens_per_s" in r]
+    if not results:
+        return None
+    configs = []
+    for r in results:
+        key = (r["preset"], r["precision"], r["jit_compile"])
+        if key not in configs:
+            configs.append(key)
+    impls = [i for i in IMPL_LABELS if any(r["impl"] == i for r in results)]
+    width = 0.8 / max(len(impls), 1)
+    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(configs) + 2), 4.8))
+    colors = {"ours": "#1f77b4", "peer": "#ff7f0e", "peer_noattndrop": "#fdbf6f"}
+    for i, impl in enumerate(impls):
+        xs, ys = [], []
+        for j, key in enumerate(configs):
+            for r in results:
+                if (r["preset"], r["precision"], r["jit_compile"]) == key and r["impl"] == impl:
+                    xs.append(j + (i - (len(impls) - 1) / 2) * width)
+                    ys.append(r["tokens_per_s"])
+        bars = ax.bar(xs, ys, width, label=IMPL_LABELS[impl], color=colors.get(impl))
+        ax.bar_label(bars, labels=[f"{y:,.0f}" for y in ys], fontsize=7, rotation=90, padding=2)
+    ax.set_xticks(range(len(configs)))
+    ax.set_xticklabels(
+        [f"{p}\n{PRECISION_SHORT.get(q, q)}, XLA {'on' if j else 'off'}" for p, q, j in configs], fontsize=9
+    )
+    ax.set_ylabel("training tokens/s (source + target)")
+    ax.set_yscale("log")
+    machine = payload["machine"]
+    ax.set_title(f"Training throughput — {machine['cpu']}, {machine['cpu_cores']} cores", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.margins(y=0.25)
+    ax.grid(axis="y", alpha=0.3, which="both")
+    fig.tight_layout()
+    path = out / "train_throughput.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def decode_section(payload):
+    model = payload.get("model", {})
+    desc = (
+        f"{'random' if model.get('random_model') else 'trained'} model "
+        f"({model.get('num_layers')} layers, d_model {model.get('d_model')}, vocab {model.get('vocab_size')}"
+        + (f", run `{model['run_dir']}`" if model.get("run_dir") else "")
+        + ")"
+    )
+    lines = ["## Decoding (beam search)", ""]
+    lines.append(f"`{payload['command']}` — {payload['date_utc']}; {desc}; {load_note(payload)}.")
+    per_step = [r for r in payload.get("per_step", []) if "search" in r]
+    if per_step:
+        r0 = per_step[0]
+        lines.append(
+            f"Beam {r0['beam_size']}, batch {r0['batch']}, {r0['source_length']}-token source, "
+            "EOS suppressed so every hypothesis runs to exactly L tokens. "
+            "Per step = (T(L) − T(1)) / (L − 1) (decoder steps alone); total/L includes the encoder."
+        )
+        lengths = sorted({r["length"] for r in per_step if r["length"] > 1})
+        modes = []
+        for r in per_step:
+            if r["mode"] not in modes:
+                modes.append(r["mode"])
+        lines += [
+            "",
+            "| mode | " + " | ".join(f"L={n}: search ms / per-step ms" for n in lengths) + " |",
+            "| --- | " + " | ".join("---:" for _ in lengths) + " |",
+        ]
+        for mode in modes:
+            cells = []
+            for n in lengths:
+                match = [r for r in per_step if r["mode"] == mode and r["length"] == n]
+                if match:
+                    r = match[0]
+                    cells.append(f"{r['search']['median_s'] * 1e3:,.0f} / {r['per_step_marginal_s'] * 1e3:.2f}")
+                else:
+                    cells.append("–")
+            lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    targets = payload.get("targets", {})
+    if targets:
+        lines += ["", "| target | measured | result |", "| --- | ---: | --- |"]
+        for key, t in targets.items():
+            if "marginal" in t:
+                lines.append(
+                    f"| {key.split('_step')[0]}: per-step time at L=160 ≤ 1.5× L=10 | "
+                    f"{t['marginal']:.2f}× (total/L: {t['total_over_length']:.2f}×) | {met(t['met'])} |"
+                )
+            else:
+                lines.append(
+                    f"| {key.split('_speedup')[0]} ≥ 4× faster than uncached, 160 tokens | "
+                    f"{t['speedup']:.1f}× | {met(t['met'])} |"
+                )
+    sps = payload.get("sentences_per_s")
+    if sps and "skipped" not in sps:
+        lines += [
+            "",
+            "| Multi30k test, Translator (text → text, beam 4) | sentences | sentences/s |",
+            "| --- | ---: | ---: |",
+        ]
+        for key, v in sps.items():
+            lines.append(f"| {key.replace('_', ' ')} | {v['sentences']} | {v['sentences_per_s']:.1f} |")
+    elif sps:
+        lines += ["", f"Sentences/s: skipped ({sps['skipped']})."]
+    lines.append("")
+    return lines
+
+
+def plot_decode(payload, out: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    per_step = [r for r in payload.get("per_step", []) if "search" in r and r["length"] > 1]
+    if not per_step:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    styles = {"cached": ("#1f77b4", "o-"), "cached_xla": ("#2ca02c", "s-"), "uncached": ("#d62728", "^-")}
+    for mode in dict.fromkeys(r["mode"] for r in per_step):
+        rows = sorted((r for r in per_step if r["mode"] == mode), key=lambda r: r["length"])
+        color, style = styles.get(mode, (None, "o-"))
+        ax.plot(
+            [r["length"] for r in rows],
+            [r["per_step_total_s"] * 1e3 for r in rows],
+            style.replace("-", ":"),
+            color=color,
+            alpha=0.45,
+            label=f"{mode}: search time / L",
+        )
+        # The marginal estimate can come out <= 0 when steps are far cheaper than the noise.
+        rows = [r for r in rows if r["per_step_marginal_s"] and r["per_step_marginal_s"] > 0]
+        xs = [r["length"] for r in rows]
+        ys = [r["per_step_marginal_s"] * 1e3 for r in rows]
+        ax.plot(xs, ys, style, color=color, label=f"{mode}: per step (T(L) - T(1)) / (L - 1)")
+        for x, y in zip(xs, ys):
+            ax.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    lengths = sorted({r["length"] for r in per_step})
+    ax.set_xticks(lengths)
+    ax.set_xticklabels([str(n) for n in lengths])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlabel("output length L (tokens, fixed: EOS suppressed)")
+    ax.set_ylabel("ms per decoding step")
+    r0 = per_step[0]
+    ax.set_title(
+        f"Beam search (beam {r0['beam_size']}, batch {r0['batch']}) — {payload['machine']['cpu']}", fontsize=10
+    )
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "decode_step_time.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def serving_section(payload):
+    lines = ["## Serving (SavedModel, `tf.saved_model.load`, tensorflow + tensorflow_text only)", ""]
+    lines.append(f"`{payload['command']}` — {payload['date_utc']}; {load_note(payload)}.")
+    s, b, c = payload.get("single", {}), payload.get("batched", {}), payload.get("concurrent", {})
+    lines += [
+        "",
+        "| measurement | value |",
+        "| --- | ---: |",
+        f"| 1 sentence/request: p50 / p95 latency | {fmt(s.get('p50_ms'), 1)} / {fmt(s.get('p95_ms'), 1)} ms |",
+        f"| batches of {b.get('batch_size', 32)}: throughput | {fmt(b.get('sentences_per_s'), 1)} sentences/s |",
+        f"| {c.get('threads', 8)} client threads, 1 sentence/request: throughput | "
+        f"{fmt(c.get('sentences_per_s'), 1)} sentences/s (p50 {fmt((c.get('latency') or {}).get('p50_ms'), 0)} ms) |",
+        f"| SavedModel load time | {fmt(payload.get('load_s'), 1)} s |",
+    ]
+    t = payload.get("target_p50")
+    if t:
+        lines += [
+            "",
+            f"Target p50 ≤ {t['target_ms']:.0f} ms for one sentence: {t['p50_ms']:.1f} ms, {met(t['met'])}.",
+        ]
+    lines.append("")
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    out = args.results
+    train, decode, serving = (load(out, n) for n in ("train_throughput", "decode", "serving"))
+    lines = ["# Benchmark results", ""]
+    first = train or decode or serving
+    if first is None:
+        raise SystemExit(f"No benchmark results in {out}; run the benchmarks first (see bench/README.md).")
+    lines += [f"Machine: {machine_line(first)}.", ""]
+    images = []
+    if train:
+        lines += train_section(train)
+        images.append(plot_train(train, out))
+    if decode:
+        lines += decode_section(decode)
+        images.append(plot_decode(decode, out))
+    if serving:
+        lines += serving_section(serving)
+    for image in images:
+        if image is not None:
+            lines += [f"![{image.stem}]({image.name})", ""]
+    (out / "RESULTS.md").write_text("\n".join(lines))
+    print(f"[report] wrote {out / 'RESULTS.md'}" + "".join(f", {p}" for p in images if p))
+
+
+if __name__ == "__main__":
+    main()
