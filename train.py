@@ -175,8 +175,8 @@ def build_parser():
                       help="Size of the shared BPE vocabulary learned on the training data. "
                            "[8000; wmt14: 37000]")
     what.add_argument("--max-length", type=positive_int, default=None,
-                      help="Longest sequence in tokens; longer training pairs are dropped. "
-                           "[128; wmt14: 256]")
+                      help="Longest sequence in tokens; longer training pairs are dropped or cut "
+                           "(--long-sentences). [multi30k: 128, other corpora: 256]")
     what.add_argument("--long-sentences", choices=("filter", "truncate"), default=None,
                       help="Training pairs with a side longer than --max-length: dropped (filter) or cut "
                            "to fit (truncate). [filter]")
@@ -230,7 +230,8 @@ def build_parser():
     run.add_argument("--average-last", type=non_negative_int, default=None,
                      help="Average the last N checkpoints into RUN/averaged for the final evaluation "
                           "(paper: 5 for base, 20 for big), kept only if its validation BLEU is at least "
-                          "the last checkpoint's. 0: use the last checkpoint. [small: 0, medium/base: 5, "
+                          "the last checkpoint's (kept unchecked when there is no validation BLEU: "
+                          "--bleu-sentences 0). 0: use the last checkpoint. [small: 0, medium/base: 5, "
                           "big: 20]")
     run.add_argument("--average-only", action="store_true",
                      help="Only average the last --average-last checkpoints of --run-dir, then exit.")
@@ -469,10 +470,12 @@ def final_evaluation(run, corpus, settings):
         return
     which = run_dir_lib.checkpoint_path(run, "best")
     model = run_dir_lib.load_model(run, which)
+    # "averaged/ckpt-N" or "checkpoints/ckpt-N": which of the two was kept matters.
+    name = "/".join(Path(which).parts[-2:])
     tokenizer = SubwordTokenizer.load(run_dir_lib.tokenizer_path(run))
     sources, references = (list(side) for side in zip(*corpus.test))
     started = time.monotonic()
-    logger.info("Translating %d test sentences with %s (beam %d, alpha %g)...", len(sources), Path(which).name,
+    logger.info("Translating %d test sentences with %s (beam %d, alpha %g)...", len(sources), name,
                 settings["beam_size"], settings["alpha"])
     translations = evaluation.translate(
         model, tokenizer, sources, beam_size=settings["beam_size"], alpha=settings["alpha"],
@@ -483,7 +486,7 @@ def final_evaluation(run, corpus, settings):
     evaluation.write_lines(output, translations)
     with tf.summary.create_file_writer(str(run / run_dir_lib.LOG_DIR / "test")).as_default():
         tf.summary.scalar("bleu", bleu.score, step=run_dir_lib.checkpoint_step(which))
-    logger.info("Test BLEU (%s, %d sentences, %.0fs): %s", Path(which).name, len(sources),
+    logger.info("Test BLEU (%s, %d sentences, %.0fs): %s", name, len(sources),
                 time.monotonic() - started, bleu)
     logger.info("Translations: %s", output)
     for source, reference, translation in list(zip(sources, references, translations))[:3]:

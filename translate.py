@@ -1,6 +1,6 @@
 """Translate sentences with a trained run or an exported SavedModel.
 
-    python translate.py --run-dir runs/multi30k "A man is riding a bike."
+    python translate.py --run-dir runs/multi30k-small "A man is riding a bike."
     python translate.py --saved-model models/transformer < sentences.en > sentences.de
     python translate.py --saved-model models/transformer --beam-size 8 --n-best --input val.en
 
@@ -49,6 +49,13 @@ def parse_args(argv=None):
     parser.add_argument(
         "--n-best", action="store_true", help="Print all beam_size hypotheses per sentence."
     )
+    parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="With --run-dir: compile the beam search with XLA (faster per sentence; each "
+        "batch shape compiles once). Not with --n-best or --max-length, which use the "
+        "graph-mode options signature; an export made with --jit-compile uses XLA by itself.",
+    )
     parser.add_argument("--scores", action="store_true", help="Print 'score<TAB>translation'.")
     parser.add_argument("--batch-size", type=int, default=32, help="Sentences per batch.")
     parser.add_argument("--input", help="File of sentences, one per line (default: stdin).")
@@ -56,6 +63,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error("--batch-size must be at least 1.")
+    if args.jit_compile and (args.saved_model or args.n_best or args.max_length is not None):
+        parser.error("--jit-compile goes with --run-dir, without --n-best and --max-length.")
     return args
 
 
@@ -78,7 +87,7 @@ def load_translator(args):
     beam_size = DEFAULT_BEAM_SIZE if args.beam_size is None else args.beam_size
     alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
     module = Translator.from_run_dir(
-        args.run_dir, args.checkpoint, beam_size=beam_size, alpha=alpha
+        args.run_dir, args.checkpoint, beam_size=beam_size, alpha=alpha, jit_compile=args.jit_compile
     )
     return module, module.signatures()
 

@@ -2,7 +2,7 @@
 
 Usage:
     python bench/decode.py                          # newest trained run under runs/, else random
-    python bench/decode.py --run-dir runs/small     # a given run
+    python bench/decode.py --run-dir runs/multi30k-small   # a given run
     python bench/decode.py --random-preset small    # a randomly initialised model
 
 1. Per-step time (beam 4, batch 1 by default, a 16-token source). To decode a fixed
@@ -18,12 +18,12 @@ Usage:
    Targets: cached per_step_marginal at L=160 within 1.5x of L=10; cached T(160) at least
    4x below uncached T(160).
 
-2. Sentences/s translating the Multi30k test set (1000 sentences, file order) with the
-   run's `keras_transformer.translator.Translator` (text in, text out: tokenizer + beam
-   4 + detokenizer, one `tf.function`), in batches of 1 (`--batch1-sentences`, default
-   the first 200) and of 32 (all). This needs a trained run: a random model rarely
-   emits EOS and decodes to the maximum length, so without a run directory this part
-   is measured on the random model and flagged `"random_model": true`.
+2. Sentences/s translating the Multi30k test set (file order) with the run's
+   `keras_transformer.translator.Translator` (text in, text out: tokenizer + beam 4 +
+   detokenizer, one `tf.function`), in batches of 1 (`--batch1-sentences`, default the
+   first 200) and of 32 (the 31 full batches), with the search in graph mode
+   (`graph_batch_N`) and compiled by XLA (`xla_batch_N`, every shape compiled before
+   timing). This needs a run directory's tokenizer: with a random model it is skipped.
 
 Writes `bench/results/decode.json`.
 """
@@ -193,36 +193,45 @@ def multi30k_test_sentences(data_dir):
 
 
 def sentences_per_second(model, tokenizer, args):
-    """Translator (text -> text, beam 4) over the Multi30k test sources."""
+    """Translator (text -> text, beam 4) over the Multi30k test sources, graph mode and XLA.
+
+    Only full batches are timed, and each batch shape is met once before timing, so no
+    XLA compilation is timed (a server compiles each shape once, at warm-up or first use).
+    """
     from keras_transformer.translator import Translator
 
     if tokenizer is None:
         return {"skipped": "no run directory: no tokenizer"}
     sentences = multi30k_test_sentences(args.data_dir)
-    translator = Translator(model, tokenizer, beam_size=args.beam_size)
     results = {}
-    for batch_size, count in ((1, args.batch1_sentences), (32, args.batch32_sentences)):
-        chosen = sentences[: count or len(sentences)]
-        batches = [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
-        warm = translator.translate(tf.constant(batches[0]))  # trace
-        common.sync(warm)
-        start = time.perf_counter()
-        lengths = []
-        for batch in batches:
-            out = translator.translate(tf.constant(batch))
-            lengths += [len(t.split()) for t in out["translation"].numpy().astype(str)]
-        seconds = time.perf_counter() - start
-        results[f"batch_{batch_size}"] = {
-            "sentences": len(chosen),
-            "seconds": seconds,
-            "sentences_per_s": len(chosen) / seconds,
-            "mean_output_words": statistics.mean(lengths) if lengths else 0,
-        }
-        print(
-            f"[decode] Translator batch {batch_size}: {len(chosen) / seconds:.1f} sentences/s "
-            f"({len(chosen)} sentences in {seconds:.1f} s)",
-            flush=True,
-        )
+    for jit_compile in (False, True):
+        translator = Translator(model, tokenizer, beam_size=args.beam_size, jit_compile=jit_compile)
+        for batch_size, count in ((1, args.batch1_sentences), (32, args.batch32_sentences)):
+            chosen = sentences[: count or len(sentences)]
+            chosen = chosen[: len(chosen) // batch_size * batch_size]
+            batches = [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
+            if jit_compile:  # compile every (batch, length bucket) shape first
+                for batch in batches:
+                    translator.translate(tf.constant(batch))
+            common.sync(translator.translate(tf.constant(batches[0])))  # trace
+            start = time.perf_counter()
+            lengths = []
+            for batch in batches:
+                out = translator.translate(tf.constant(batch))
+                lengths += [len(t.decode("utf-8").split()) for t in out["translation"].numpy()]
+            seconds = time.perf_counter() - start
+            key = f"{'xla' if jit_compile else 'graph'}_batch_{batch_size}"
+            results[key] = {
+                "sentences": len(chosen),
+                "seconds": seconds,
+                "sentences_per_s": len(chosen) / seconds,
+                "mean_output_words": statistics.mean(lengths) if lengths else 0,
+            }
+            print(
+                f"[decode] Translator {key}: {len(chosen) / seconds:.1f} sentences/s "
+                f"({len(chosen)} sentences in {seconds:.1f} s)",
+                flush=True,
+            )
     return results
 
 

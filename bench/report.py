@@ -4,7 +4,7 @@ Usage:
     python bench/report.py                 # reads and writes bench/results/
     python bench/report.py --results DIR
 
-Reads `train_throughput.json`, `decode.json` and `serving.json` (whichever exist), and
+Reads `train_throughput.json`, `decode.json` and `serving*.json` (whichever exist), and
 writes:
 
 * `RESULTS.md`: the machine, then one table per benchmark, with the targets marked met
@@ -293,7 +293,11 @@ def plot_decode(payload, out: Path):
 
 
 def serving_section(payload):
-    lines = ["## Serving (SavedModel, `tf.saved_model.load`, tensorflow + tensorflow_text only)", ""]
+    search = "beam search compiled with XLA" if payload.get("xla") else "beam search in graph mode"
+    lines = [
+        f"## Serving: {search} (SavedModel, `tf.saved_model.load`, tensorflow + tensorflow_text only)",
+        "",
+    ]
     lines.append(f"`{payload['command']}` — {payload['date_utc']}; {load_note(payload)}.")
     s, b, c = payload.get("single", {}), payload.get("batched", {}), payload.get("concurrent", {})
     lines += [
@@ -321,9 +325,12 @@ def main():
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     out = args.results
-    train, decode, serving = (load(out, n) for n in ("train_throughput", "decode", "serving"))
+    train, decode = (load(out, n) for n in ("train_throughput", "decode"))
+    # serving.json, and serving-*.json written with --output-name (e.g. an XLA export).
+    paths = sorted(out.glob("serving*.json"), key=lambda path: (len(path.name), path.name))
+    servings = [json.loads(path.read_text()) for path in paths]
     lines = ["# Benchmark results", ""]
-    first = train or decode or serving
+    first = train or decode or (servings[0] if servings else None)
     if first is None:
         raise SystemExit(f"No benchmark results in {out}; run the benchmarks first (see bench/README.md).")
     lines += [f"Machine: {machine_line(first)}.", ""]
@@ -334,7 +341,7 @@ def main():
     if decode:
         lines += decode_section(decode)
         images.append(plot_decode(decode, out))
-    if serving:
+    for serving in servings:
         lines += serving_section(serving)
     for image in images:
         if image is not None:

@@ -146,6 +146,10 @@ class PeerTransformer(keras.Model):
         self.decoder_layers = [
             keras_hub.layers.TransformerDecoder(name=f"decoder_{i}", **layer_args) for i in range(num_layers)
         ]
+        # Also as attributes: TF checkpoints (which the Trainer checks) do not see Keras
+        # layers kept only in Python lists.
+        for layer in self.encoder_layers + self.decoder_layers:
+            setattr(self, layer.name, layer)
         if not attention_dropout:
             # Residual/embedding dropout stays; the attention-weight dropout (absent from
             # the paper and from our layers) is switched off before the layers are built.

@@ -44,6 +44,12 @@ def parse_args(argv=None):
         help="Sources are cut to this many tokens, EOS included.",
     )
     parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="Compile serving_default's beam search with XLA (several times faster per "
+        "sentence on a CPU; TF Serving then needs --xla_cpu_compilation_enabled=true on CPUs).",
+    )
+    parser.add_argument(
         "--check-file", help="Also check the export on this file's sentences (one per line)."
     )
     parser.add_argument("--check-lines", type=int, default=16, help="Lines of --check-file to use.")
@@ -71,6 +77,7 @@ def main(argv=None):
             alpha=args.alpha,
             max_extra_length=args.max_extra_length,
             max_input_length=args.max_input_length,
+            jit_compile=args.jit_compile,
         )
     except (ExportError, RunDirError, ValueError, OSError) as error:
         print(f"export failed: {error}", file=sys.stderr)

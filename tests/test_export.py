@@ -243,6 +243,38 @@ def test_bad_inputs_never_fail_and_do_not_change_their_neighbours(served, senten
     assert list(mixed["translation"][1:3]) == [b"", b""] and list(mixed["score"][1:3]) == [0.0, 0.0]
 
 
+def test_source_buckets_cover_every_length_once():
+    from keras_transformer.translator import pad_to_bucket, xla_buckets
+
+    assert xla_buckets(256) == [16, 32, 64, 128, 256]
+    assert xla_buckets(100) == [16, 32, 64, 100]
+    assert xla_buckets(16) == [16]
+    for length in (1, 15, 16, 17, 33, 64, 65, 100):
+        ids = tf.ones([2, length], tf.int32)
+        padded = pad_to_bucket(ids, xla_buckets(100)).numpy()
+        expected_width = min(b for b in xla_buckets(100) if b >= length)
+        assert padded.shape == (2, expected_width)
+        assert (padded[:, :length] == 1).all() and (padded[:, length:] == 0).all()
+
+
+def test_an_xla_export_translates_like_the_graph_translator(
+    tiny_translation_run, translator, sentences, tmp_path
+):
+    """XLA and padded sources change the speed, not the translations (graph mode is the truth)."""
+    version_dir = export.export_run(
+        tiny_translation_run, tmp_path / MODEL_NAME, jit_compile=True, log=lambda line: None
+    )
+    served_xla = tf.saved_model.load(str(version_dir)).signatures["serving_default"]
+    batch = [*sentences[:6], *BAD_INPUTS]
+    found = translate(served_xla, batch)
+    expected = translate(translator.translate, batch)
+    assert list(found["translation"]) == list(expected["translation"])
+    np.testing.assert_allclose(found["score"], expected["score"], rtol=1e-4, atol=1e-5)
+    alone = translate(served_xla, sentences[:1])
+    assert alone["translation"][0] == expected["translation"][0]
+    assert all(len(value) == 0 for value in translate(served_xla, []).values())
+
+
 def test_long_inputs_are_translated_from_their_first_tokens(served, tiny_translation_run):
     from keras_transformer.tokenizer import SubwordTokenizer
     from keras_transformer.translator import DEFAULT_MAX_INPUT_LENGTH
