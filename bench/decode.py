@@ -210,10 +210,9 @@ def sentences_per_second(model, tokenizer, args):
             chosen = sentences[: count or len(sentences)]
             chosen = chosen[: len(chosen) // batch_size * batch_size]
             batches = [chosen[i : i + batch_size] for i in range(0, len(chosen), batch_size)]
-            if jit_compile:  # compile every (batch, length bucket) shape first
-                for batch in batches:
-                    translator.translate(tf.constant(batch))
-            common.sync(translator.translate(tf.constant(batches[0])))  # trace
+            # Trace first; with XLA, also compile every (batch, length bucket) shape.
+            for batch in batches if jit_compile else batches[:1]:
+                common.sync(translator.translate(tf.constant(batch)))
             start = time.perf_counter()
             lengths = []
             for batch in batches:

@@ -13,7 +13,6 @@ resumed run's pause: the JSON keeps the raw wall times).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

@@ -145,7 +145,7 @@ class Translator(tf.Module):
             length penalty `((5 + tokens) / 6) ** alpha` (0.0 for a blank input).
         """
         source_ids, blank = self._source_ids(text)
-        if self._compiled_search is not None:
+        if self.jit_compile:
             best = self._compiled_search(pad_to_bucket(source_ids, self.xla_buckets))
         else:
             best = self._search(source_ids)
@@ -254,7 +254,8 @@ def pad_to_bucket(source_ids, buckets):
     Padding changes nothing but the shape: it is masked, and each row's output limit
     comes from its own unpadded length.
     """
+    buckets = tf.constant(buckets, tf.int32)
     length = tf.shape(source_ids)[1]
-    index = tf.searchsorted(tf.constant(buckets, tf.int32), length[None], side="left")[0]
-    target = tf.gather(tf.constant(buckets, tf.int32), tf.minimum(index, len(buckets) - 1))
+    index = tf.searchsorted(buckets, length[None], side="left")[0]
+    target = tf.gather(buckets, tf.minimum(index, tf.size(buckets) - 1))
     return tf.pad(source_ids, [[0, 0], [0, tf.maximum(target - length, 0)]], constant_values=PAD_ID)
