@@ -320,6 +320,30 @@ def serving_section(payload):
     return lines
 
 
+def profile_section(payload, rows=8):
+    """The top rows of a `profile_trace.py` summary (training step or serving requests)."""
+    config = payload.get("config")
+    if config:
+        title = "training step, " + ", ".join(f"{k} {v}" for k, v in config.items())
+        intro = (
+            f"{payload['step_s_under_profiler'] * 1e3:.0f} ms per step under the profiler; op time "
+            f"{payload['op_time_per_step_ms']:.0f} ms per step, summed over the threads that ran the ops."
+        )
+        tables = [("op type", payload["by_op_type"]), ("model part (`grad:` = backward)", payload["by_model_part"])]
+        unit = "ms/step"
+    else:
+        title = f"serving requests, `{payload['saved_model']}`"
+        intro = f"{payload['request_ms']:.1f} ms per single-sentence request under the profiler."
+        tables = [("XLA operation kind", payload["by_op_kind"]), ("single operation", payload["by_op"])]
+        unit = "ms/request"
+    lines = [f"## Profile: {title}", "", f"`{payload['command']}` — {payload['date_utc']}. {intro}", ""]
+    for name, table in tables:
+        lines += [f"| {name} | {unit} | share |", "| --- | ---: | ---: |"]
+        lines += [f"| {row['name'][:90]} | {row['ms']:.2f} | {row['share']:.1%} |" for row in table[:rows]]
+        lines.append("")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
@@ -343,6 +367,8 @@ def main():
         images.append(plot_decode(decode, out))
     for serving in servings:
         lines += serving_section(serving)
+    for path in sorted(out.glob("profile-*.json")):
+        lines += profile_section(json.loads(path.read_text()))
     for image in images:
         if image is not None:
             lines += [f"![{image.stem}]({image.name})", ""]

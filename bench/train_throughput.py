@@ -12,10 +12,10 @@ its gradients, and `keras.optimizers.Adam(0.9, 0.98, 1e-9)` with the paper's sch
 the device has native bfloat16) x XLA (off/on) x implementation (ours, peer).
 
 Batches are synthetic with fixed lengths (default: source and target 24 tokens, about the
-longest common Multi30k bucket; `small` batch 128 = 3072 source + 3072 target tokens, near
-`train.py`'s 4096-token padded budget; `base` batch 16 to keep a CPU run short), every
-token real, so tokens/s = batch * (source_length + target_length) / step time, padding
-excluded (there is none).
+longest common Multi30k bucket), every token real. Batch 128 sentences = 3072 source + 3072
+target tokens for every preset: near `train.py`'s 4096-token padded budget, and the paper's
+per-GPU share of its 25k-token batches (8 GPUs). tokens/s = batch * (source_length +
+target_length) / step time, padding excluded (there is none).
 
 The peer is the same encoder-decoder built from KerasHub's `TransformerEncoder`,
 `TransformerDecoder`, `ReversibleEmbedding` (tied input/output embedding, shared between
@@ -75,7 +75,7 @@ from keras_transformer.model import Transformer  # noqa: E402
 from keras_transformer.presets import get_preset  # noqa: E402
 from keras_transformer.schedule import make_optimizer  # noqa: E402
 
-DEFAULT_BATCH = {"tiny": 128, "small": 128, "medium": 128, "base": 16, "big": 8}
+DEFAULT_BATCH = {"tiny": 128, "small": 128, "medium": 128, "base": 128, "big": 64}
 LABEL_SMOOTHING = 0.1
 
 

@@ -21,7 +21,7 @@ from keras_transformer.losses import label_smoothed_cross_entropy, token_accurac
 from keras_transformer.masks import causal_mask, padding_mask
 from keras_transformer.model import Decoder, Encoder, Transformer
 from keras_transformer.presets import PRESETS, get_preset
-from keras_transformer.schedule import TransformerSchedule, make_optimizer
+from keras_transformer.schedule import FusedAdam, TransformerSchedule, make_optimizer
 from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SubwordTokenizer, train_tokenizer
 
 __version__ = "0.1.0"
@@ -59,6 +59,7 @@ __all__ = [
     "make_translation_dataset",
     # Training and decoding.
     "TransformerSchedule",
+    "FusedAdam",
     "make_optimizer",
     "label_smoothed_cross_entropy",
     "token_accuracy",

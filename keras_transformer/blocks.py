@@ -239,10 +239,8 @@ class DecoderLayer(_ResidualBlock):
     def init_cache(self, encoder_outputs, max_length):
         """An empty self-attention cache of `max_length` positions and the projected encoder memory."""
         batch_size = ops.shape(encoder_outputs)[0]
-        head_dim = self.d_model // self.num_heads
-        empty = ops.zeros((batch_size, max_length, self.num_heads, head_dim), dtype=self.compute_dtype)
         return {
-            "self": {"key": empty, "value": empty},
+            "self": self.self_attention.empty_cache(batch_size, max_length),
             "cross": self.cross_attention.project_key_value(encoder_outputs),
         }
 

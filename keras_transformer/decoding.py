@@ -185,12 +185,18 @@ def search(
         log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
         vocab_size = tf.shape(log_probs)[-1]
         log_probs = tf.reshape(log_probs, [batch_size, -1, vocab_size])  # [batch, beam, vocab]
+        # The best candidates overall are among each beam's best: a top-k per beam
+        # over the vocabulary, then one over beam * num_candidates (not one over
+        # beam * vocab, a slower top-k; same result, ties included: both prefer the
+        # lower beam, then the lower token).
+        per_beam = _at_most(num_candidates, log_probs.shape[-1] or vocab_size)
+        beam_log_probs, beam_tokens = tf.math.top_k(log_probs, k=per_beam)
         candidate_log_probs = tf.reshape(
-            state.alive_log_probs[:, :, None] + log_probs, [batch_size, -1]
+            state.alive_log_probs[:, :, None] + beam_log_probs, [batch_size, -1]
         )
         top_log_probs, top_indices = tf.math.top_k(candidate_log_probs, k=num_candidates)
-        top_beams = top_indices // vocab_size
-        top_tokens = top_indices % vocab_size
+        top_beams = top_indices // per_beam
+        top_tokens = tf.gather(tf.reshape(beam_tokens, [batch_size, -1]), top_indices, batch_dims=1)
         length = state.step + 1
         top_seq = _write_tokens(
             tf.gather(state.alive_seq, top_beams, batch_dims=1), top_tokens, length
@@ -246,6 +252,13 @@ def _num_candidates(beam_size):
             raise ValueError(f"beam_size must be at least 1, got {beam_size}.")
         return 1 if beam_size == 1 else 2 * beam_size
     return tf.where(tf.equal(beam_size, 1), 1, 2 * beam_size)
+
+
+def _at_most(k, n):
+    """`min(k, n)`, a Python int when both are (XLA needs a static top-k size)."""
+    if isinstance(k, int) and isinstance(n, int):
+        return min(k, n)
+    return tf.minimum(k, n)
 
 
 def _initial_state(initial_ids, initial_cache, max_decode_length, beam_size, pad_id) -> BeamState:
@@ -423,6 +436,7 @@ def _search_transformer(
         layer_caches = model.init_cache(encoder_outputs, buffer_length)
         memory = [expand_to_beams_nest(layer["cross"], beam_size) for layer in layer_caches]
         initial_cache = [layer["self"] for layer in layer_caches]
+        output_kernel = model.embedding.transposed_embeddings()
 
         def symbols_to_logits_fn(ids, step, self_caches):
             newest = ids[:, step][:, None]
@@ -430,7 +444,9 @@ def _search_transformer(
                 {"self": own, "cross": cross}
                 for own, cross in zip(self_caches, memory, strict=True)
             ]
-            logits, caches = model.decode_step(newest, caches, step, beam_source_mask)
+            logits, caches = model.decode_step(
+                newest, caches, step, beam_source_mask, output_kernel=output_kernel
+            )
             return logits[:, -1], [layer["self"] for layer in caches]
 
     else:

@@ -104,6 +104,9 @@ class SharedEmbedding(keras.layers.Layer):
             `[batch, length, d_model]` when `reverse=True`.
         reverse: Project hidden states to vocabulary logits with the transposed
             embedding matrix instead of embedding ids.
+        transposed_embeddings: With `reverse`, optionally the result of
+            `transposed_embeddings()`, for callers that project many times with the
+            same weights.
 
     Returns:
         `embedding[ids] * sqrt(d_model)`, or float32 logits `[batch, length, vocab_size]`.
@@ -125,9 +128,20 @@ class SharedEmbedding(keras.layers.Layer):
         )
         self.built = True
 
-    def call(self, inputs, reverse=False):
+    def transposed_embeddings(self, dtype=None):
+        """The output projection's kernel, `[d_model, vocab_size]`, in `dtype` (default: compute dtype).
+
+        A decoding loop computes it once, before the loop: multiplying by a
+        transposed operand costs each step a strided read of the whole matrix,
+        the largest one in the decoder.
+        """
+        return ops.transpose(ops.cast(self.embeddings, dtype or self.compute_dtype))
+
+    def call(self, inputs, reverse=False, transposed_embeddings=None):
         if reverse:
-            logits = ops.matmul(inputs, ops.transpose(ops.cast(self.embeddings, inputs.dtype)))
+            if transposed_embeddings is None:
+                transposed_embeddings = self.transposed_embeddings(inputs.dtype)
+            logits = ops.matmul(inputs, ops.cast(transposed_embeddings, inputs.dtype))
             # Softmax and loss want float32 logits even under mixed precision.
             return ops.cast(logits, "float32")
         embedded = ops.take(self.embeddings, ops.cast(inputs, "int32"), axis=0)

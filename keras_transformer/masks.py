@@ -1,15 +1,15 @@
 """Attention masks: which key positions each query position may attend to.
 
-Masks are boolean, `True` meaning "may attend", as in Keras. Attention adds
-`MASK_ADDEND` to the logits of masked positions before the softmax (the paper's
+Masks are boolean, `True` meaning "may attend", as in Keras. Attention replaces
+the logits of masked positions by `MASKED_LOGIT` before the softmax (the paper's
 "setting to -inf", kept finite so a fully masked row gives a uniform softmax
-instead of NaN). Logits are float32 when the mask is added, so -1e9 is safe
+instead of NaN). Logits are float32 when the mask is applied, so -1e9 is safe
 whatever the layer's compute dtype.
 """
 
 from keras import ops
 
-MASK_ADDEND = -1e9
+MASKED_LOGIT = -1e9
 
 
 def padding_mask(token_ids, pad_id=0):

@@ -304,7 +304,7 @@ class Transformer(keras.Model):
         """Decoding cache for outputs of up to `max_length` tokens (one entry per decoder layer)."""
         return self.decoder.init_cache(encoder_outputs, max_length)
 
-    def decode_step(self, token_ids, cache, cache_index, source_padding_mask):
+    def decode_step(self, token_ids, cache, cache_index, source_padding_mask, output_kernel=None):
         """Logits for the newest tokens only, reusing the cached keys and values.
 
         Args:
@@ -313,6 +313,8 @@ class Transformer(keras.Model):
             cache: From `init_cache` or the previous step.
             cache_index: Scalar int position of `token_ids[:, 0]`.
             source_padding_mask: From `encode`.
+            output_kernel: Optional `self.embedding.transposed_embeddings()`, computed
+                once per search instead of once per step.
 
         Returns:
             `(logits [batch, new_length, vocab_size] float32, updated cache)`.
@@ -321,7 +323,7 @@ class Transformer(keras.Model):
         x, cache = self.decoder(
             x, None, source_padding_mask, training=False, cache=cache, cache_index=cache_index
         )
-        return self.embedding(x, reverse=True), cache
+        return self.embedding(x, reverse=True, transposed_embeddings=output_kernel), cache
 
     def call(self, inputs, training=None):
         if not isinstance(inputs, (tuple, list)) or len(inputs) != 2:

@@ -59,6 +59,52 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return {"d_model": self.d_model, "warmup_steps": self.warmup_steps, "scale": self.scale}
 
 
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class FusedAdam(keras.optimizers.Adam):
+    """`keras.optimizers.Adam` whose TensorFlow update is one fused kernel per variable.
+
+    Keras's Adam updates a variable with about ten element-wise ops, each a pass over
+    the weights or its two slots (5% of a `base` training step on a CPU in the
+    profile). TensorFlow's `ResourceApplyAdam` does the same arithmetic in one pass:
+
+        m = m + (g - m) (1 - beta_1);  v = v + (g^2 - v) (1 - beta_2)
+        w = w - lr sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)
+
+    Same arguments, slots and checkpoints as `keras.optimizers.Adam`. On other
+    backends, and with `amsgrad`, Keras's own update runs.
+    """
+
+    def update_step(self, gradient, variable, learning_rate):
+        if keras.backend.backend() != "tensorflow" or self.amsgrad:
+            return super().update_step(gradient, variable, learning_rate)
+        import tensorflow as tf
+
+        dtype = variable.dtype
+        local_step = ops.cast(self.iterations + 1, dtype)
+        index = self._get_variable_index(variable)
+        beta_1, beta_2 = ops.cast(self.beta_1, dtype), ops.cast(self.beta_2, dtype)
+        tf.raw_ops.ResourceApplyAdam(
+            var=_resource_handle(variable),
+            m=_resource_handle(self._momentums[index]),
+            v=_resource_handle(self._velocities[index]),
+            beta1_power=ops.power(beta_1, local_step),
+            beta2_power=ops.power(beta_2, local_step),
+            lr=ops.cast(learning_rate, dtype),
+            beta1=beta_1,
+            beta2=beta_2,
+            epsilon=ops.cast(self.epsilon, dtype),
+            grad=ops.cast(tf.convert_to_tensor(gradient), dtype),  # IndexedSlices -> dense
+            use_locking=False,
+        )
+
+
+def _resource_handle(variable):
+    """The TF resource handle of a Keras or TF variable (inside a strategy update, this device's copy)."""
+    if isinstance(variable, keras.Variable):
+        variable = variable.value
+    return variable.handle
+
+
 def make_optimizer(learning_rate, loss_scaling=False):
     """Adam(beta_1=0.9, beta_2=0.98, epsilon=1e-9), the paper's optimizer.
 
@@ -70,7 +116,7 @@ def make_optimizer(learning_rate, loss_scaling=False):
     Returns:
         The optimizer; create it inside the distribution strategy's scope.
     """
-    optimizer = keras.optimizers.Adam(
+    optimizer = FusedAdam(
         learning_rate=learning_rate, beta_1=ADAM_BETA_1, beta_2=ADAM_BETA_2, epsilon=ADAM_EPSILON
     )
     if loss_scaling:

@@ -33,6 +33,16 @@ def test_matches_keras_multi_head_attention_without_mask():
     np.testing.assert_allclose(scores, expected_scores, atol=1e-6)
 
 
+def test_self_attention_matches_keras_multi_head_attention():
+    # query is value: ours projects Q, K and V in one matmul, Keras in three.
+    ours, theirs, query, _ = copied_pair(seed=6)
+    out, scores = ours(query, query, use_causal_mask=True, return_attention_scores=True)
+    expected, expected_scores = theirs(query, query, use_causal_mask=True, return_attention_scores=True)
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-6)
+    np.testing.assert_allclose(out, ours(query, np.array(query), use_causal_mask=True), atol=1e-5)
+
+
 def test_matches_keras_multi_head_attention_with_attention_mask():
     ours, theirs, query, value = copied_pair(seed=1)
     rng = np.random.default_rng(1)
@@ -67,9 +77,8 @@ def test_cache_gives_the_same_outputs_as_full_causal_attention():
     ours, _, query, _ = copied_pair(seed=4)
     full = np.asarray(ours(query, query, use_causal_mask=True))
     length = query.shape[1]
-    head_dim = D_MODEL // HEADS
-    empty = np.zeros((2, length, HEADS, head_dim), "float32")
-    cache = {"key": empty, "value": empty}
+    cache = ours.empty_cache(2, length)
+    assert tuple(cache["key"].shape) == (2, HEADS, length, D_MODEL // HEADS)  # head-major
     for i in range(length):
         step = query[:, i : i + 1]
         out, cache = ours(step, step, use_causal_mask=True, cache=cache, cache_index=i)

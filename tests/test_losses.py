@@ -47,6 +47,34 @@ def test_label_smoothed_loss_equals_hand_computation():
     np.testing.assert_allclose(float(loss_sum), expected_sum, rtol=1e-5)
 
 
+def test_gradient_is_softmax_minus_smoothed_targets_on_real_tokens():
+    # d/dlogits of -sum_v q_v log p_v is p - q (q sums to one); padding gets no gradient.
+    logits = tf.constant(LOGITS)
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        loss_sum, _ = label_smoothed_cross_entropy(LABELS, logits, label_smoothing=EPS)
+    gradient = tape.gradient(loss_sum, logits).numpy()
+    probs = np.exp(log_softmax(LOGITS))
+    for b in range(LABELS.shape[0]):
+        for t in range(LABELS.shape[1]):
+            expected = np.zeros(VOCAB)
+            if LABELS[b, t] != 0:
+                expected = probs[b, t] - smoothed_targets(LABELS[b, t], VOCAB, EPS)
+            np.testing.assert_allclose(gradient[b, t], expected, atol=1e-6)
+
+
+def test_large_vocabulary_loss_keeps_float32_precision():
+    # The smoothing term is computed as sum(logits) - V * logsumexp(logits): check it
+    # against the float64 hand computation where V is a real vocabulary's size.
+    vocab = 8000
+    rng = np.random.default_rng(1)
+    labels = rng.integers(1, vocab, size=(3, 7)).astype("int32")
+    logits = (5.0 * rng.normal(size=(3, 7, vocab))).astype("float32")
+    loss_sum, _ = label_smoothed_cross_entropy(labels, logits, label_smoothing=EPS)
+    expected_sum, _ = hand_loss(labels, logits, EPS)
+    np.testing.assert_allclose(float(loss_sum), expected_sum, rtol=1e-5)
+
+
 def test_smoothing_distribution_sums_to_one_and_differs_from_keras_convention():
     target = smoothed_targets(2, VOCAB, EPS)
     np.testing.assert_allclose(target.sum(), 1.0)

@@ -1,0 +1,236 @@
+"""Where the time goes: TF profiler traces of a training step or of serving requests, summarised.
+
+Usage:
+    python bench/profile_trace.py train                                  # small, float32, ours
+    python bench/profile_trace.py train --preset base --jit on --impl peer_noattndrop
+    python bench/profile_trace.py serving --saved-model models/transformer-small-xla
+
+Each run writes a TensorBoard profile (`--logdir`, default `runs/profile/<name>`; open
+it with `tensorboard --logdir ...`, Profile tab, which needs the `xprof` package of the
+`bench` extra) and prints, and writes to `bench/results/profile-<name>.json`, a summary
+of the trace:
+
+* `train`: the op time of `--steps` training steps (the `Trainer` step of
+  `train_throughput.py`, same synthetic batch), per op type and per model part
+  (attention, feed-forward, shared embedding, loss, Adam; forward and backward apart).
+  Op times are summed over the threads that ran them, so they add up to more than the
+  step's wall time on a multi-core machine. Graph mode shows every TensorFlow op; an XLA
+  step is one opaque cluster here, with only the ops outside it (the Adam update).
+* `serving`: the time of each XLA operation (fusions, matmuls, the top-k custom call)
+  inside the beam search of `--requests` single-sentence requests, per request. XLA:CPU
+  records these only with `XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true`, which this
+  script sets before TensorFlow starts; use a `--jit-compile` export (a graph-mode
+  export shows TensorFlow ops instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (standard library only at import)
+
+# Parts of the model, matched in op names (Keras layer names) in this order.
+_MODEL_PARTS = (
+    "self_attention",
+    "cross_attention",
+    "feed_forward",
+    "shared_embedding",
+    "norm",
+    "adam",
+    "LogSoftmax",
+    "SparseSoftmaxCrossEntropy",
+)
+# Trace events that wrap others (a request, an executor, a thread pool region, the search loop).
+_WRAPPERS = re.compile(
+    r"^(ThreadpoolListener::Region|ThunkExecutor::Execute|signature_wrapper|EagerExecute|"
+    r"TFE_Py_ExecuteCancelable|EagerKernelExecute|KernelAndDeviceFunc::Run|ExecutorState::.*|"
+    r"CpuExecutable::ExecuteAsyncOnStream|BlockUntilReady|SlinkyThreadPool::Await|EagerLocalExecute.*|while(\.\d+)?)$"
+)
+
+
+def _xplane_paths(logdir: Path) -> list[str]:
+    paths = sorted(glob.glob(str(logdir / "plugins" / "profile" / "*" / "*.xplane.pb")))
+    if not paths:
+        raise SystemExit(f"No profile was written under {logdir}.")
+    return paths[-1:]  # the newest run
+
+
+def _tool_data(logdir: Path, tool: str):
+    try:
+        from xprof.convert import raw_to_tool_data
+    except ImportError:
+        raise SystemExit("Summarising a profile needs the xprof package: pip install -e '.[bench]'") from None
+    data, _ = raw_to_tool_data.xspace_to_tool_data(_xplane_paths(logdir), tool, {})
+    if not data:
+        raise SystemExit(f"The profiler's {tool} tool returned nothing for {logdir}.")
+    return json.loads(data)
+
+
+def _table_rows(table: dict) -> list[dict]:
+    columns = [column["id"] for column in table["cols"]]
+    return [dict(zip(columns, [cell.get("v") for cell in row["c"]])) for row in table["rows"]]
+
+
+def _ranked(counter: collections.Counter, per: float, limit: int) -> list[dict]:
+    total = sum(counter.values())
+    return [
+        {"name": name, "ms": round(us / per / 1e3, 3), "share": round(us / total, 4)}
+        for name, us in counter.most_common(limit)
+    ]
+
+
+def summarize_training(logdir: Path, steps: int, limit: int = 20) -> dict:
+    """Op self time per step, by op type and by model part (backward marked `grad:`)."""
+    rows = _table_rows(_tool_data(logdir, "framework_op_stats")[0])
+    by_type, by_part = collections.Counter(), collections.Counter()
+    for row in rows:
+        if row["type"] in ("IDLE", "Dataset"):
+            continue
+        self_us = row["total_self_time"]
+        by_type[row["type"]] += self_us
+        name = row["operation"]
+        part = next((p for p in _MODEL_PARTS if p.lower() in name.lower()), "other")
+        by_part[("grad:" if "gradient_tape" in name else "") + part] += self_us
+    return {
+        "op_time_per_step_ms": round(sum(by_type.values()) / steps / 1e3, 1),
+        "by_op_type": _ranked(by_type, steps, limit),
+        "by_model_part": _ranked(by_part, steps, limit),
+    }
+
+
+def summarize_serving(logdir: Path, requests: int, limit: int = 20) -> dict:
+    """Time per request of the XLA operations (and TF ops) inside the requests."""
+    events = _tool_data(logdir, "trace_viewer")
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    by_op, by_kind = collections.Counter(), collections.Counter()
+    request_us = 0.0
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        name, duration = event["name"], event.get("dur", 0.0)
+        if name == "signature_wrapper":
+            request_us += duration
+        if _WRAPPERS.match(name):
+            continue
+        by_op[name] += duration
+        by_kind[re.sub(r"([._]\d+)+$", "", name)] += duration  # MatMul.84 -> MatMul
+    return {
+        "request_ms": round(request_us / requests / 1e3, 2),
+        "op_time_per_request_ms": round(sum(by_op.values()) / requests / 1e3, 2),
+        "by_op_kind": _ranked(by_kind, requests, limit),
+        "by_op": _ranked(by_op, requests, limit),
+    }
+
+
+def profile_training(args) -> tuple[str, dict]:
+    import tensorflow as tf
+    import train_throughput as tt
+
+    strategy = tt.single_device_strategy()
+    batch = args.batch or tt.DEFAULT_BATCH[args.preset]
+    data = tt.synthetic_batch(batch, args.src_len, args.tgt_len, args.vocab_size)
+    runner = tt.Runner(
+        args.impl, args.preset, args.precision, args.jit == "on", args.vocab_size, data, "trainer",
+        strategy, tempfile.mkdtemp(prefix="bench-profile-"),
+    )
+    runner.warm_up(2)
+    name = f"train-{args.preset}-{args.precision}-{'xla' if args.jit == 'on' else 'graph'}-{args.impl}"
+    logdir = Path(args.logdir or f"runs/profile/{name}")
+    tf.profiler.experimental.start(str(logdir))
+    runner.timed_repeat(args.steps)
+    tf.profiler.experimental.stop()
+    summary = {
+        "config": {"preset": args.preset, "precision": args.precision, "jit": args.jit, "impl": args.impl, "batch": batch},
+        "step_s_under_profiler": round(runner.times[-1], 3),
+        **summarize_training(logdir, args.steps),
+    }
+    return name, {"logdir": str(logdir), **summary}
+
+
+def profile_serving(args) -> tuple[str, dict]:
+    import tensorflow as tf
+    import tensorflow_text  # noqa: F401  (the SavedModel's SentencePiece ops)
+    from serving import load_sentences, resolve_version_dir
+
+    signature = tf.saved_model.load(str(resolve_version_dir(args.saved_model))).signatures["serving_default"]
+    sentences = load_sentences(args.data_dir, "en", args.warmup + args.requests)
+    for sentence in sentences[: args.warmup]:  # XLA compiles each bucket once
+        signature(tf.constant([sentence]))
+    name = f"serving-{args.saved_model.name}"
+    logdir = Path(args.logdir or f"runs/profile/{name}")
+    started = time.perf_counter()
+    tf.profiler.experimental.start(str(logdir))
+    for sentence in sentences[args.warmup :]:
+        signature(tf.constant([sentence]))["translation"].numpy()
+    tf.profiler.experimental.stop()
+    elapsed = time.perf_counter() - started
+    summary = {
+        "saved_model": str(args.saved_model),
+        "requests": args.requests,
+        "wall_ms_per_request_under_profiler": round(elapsed / args.requests * 1e3, 2),
+        **summarize_serving(logdir, args.requests),
+    }
+    return name, {"logdir": str(logdir), **summary}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--logdir", default=None, help="profile directory (default runs/profile/<name>)")
+    parser.add_argument("--top", type=int, default=12, help="rows printed per table")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="one configuration of train_throughput.py")
+    train.add_argument("--preset", default="small")
+    train.add_argument("--precision", default="float32", choices=["float32", "mixed_bfloat16", "mixed_float16"])
+    train.add_argument("--jit", default="off", choices=["off", "on"])
+    train.add_argument("--impl", default="ours", choices=["ours", "peer", "peer_noattndrop"])
+    train.add_argument("--batch", type=int, default=None)
+    train.add_argument("--src-len", type=int, default=24)
+    train.add_argument("--tgt-len", type=int, default=24)
+    train.add_argument("--vocab-size", type=int, default=8000)
+    train.add_argument("--steps", type=int, default=3, help="profiled steps (after 3 warm-up steps)")
+    serving = commands.add_parser("serving", help="single-sentence requests to an exported SavedModel")
+    serving.add_argument("--saved-model", type=Path, required=True)
+    serving.add_argument("--data-dir", default=None, help="Multi30k directory (default: MULTI30K_DIR / shared)")
+    serving.add_argument("--warmup", type=int, default=40)
+    serving.add_argument("--requests", type=int, default=20)
+    return parser.parse_args()
+
+
+def _print_table(title, rows, limit):
+    print(f"[profile] {title}")
+    for row in rows[:limit]:
+        print(f"[profile]   {row['ms']:9.2f} ms  {row['share']:6.1%}  {row['name'][:100]}")
+
+
+def main():
+    args = parse_args()
+    if args.command == "serving":
+        # XLA:CPU emits per-operation trace events only with this flag, read at start-up.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
+        name, summary = profile_serving(args)
+        print(f"[profile] {summary['request_ms']:.1f} ms per request under the profiler")
+        _print_table("per request, by XLA operation kind:", summary["by_op_kind"], args.top)
+        _print_table("per request, single operations:", summary["by_op"], args.top)
+    else:
+        name, summary = profile_training(args)
+        print(f"[profile] step {summary['step_s_under_profiler'] * 1e3:.0f} ms under the profiler; "
+              f"op time {summary['op_time_per_step_ms']:.0f} ms per step (summed over threads)")
+        _print_table("per step, by op type:", summary["by_op_type"], args.top)
+        _print_table("per step, by model part:", summary["by_model_part"], args.top)
+    payload = common.header(f"profile-{name}", args)
+    payload.update(summary)
+    common.write_json(f"profile-{name}", payload)
+
+
+if __name__ == "__main__":
+    main()
