@@ -6,16 +6,16 @@ Usage:
 
 One training step is forward + backward + Adam update: logits of the teacher-forced
 decoder, the masked label-smoothed cross entropy (`keras_transformer.losses`, eps 0.1),
-its gradients, and `keras.optimizers.Adam(0.9, 0.98, 1e-9)` with the paper's schedule
+its gradients, and Adam(0.9, 0.98, 1e-9) (`FusedAdam`) with the paper's schedule
 (`keras_transformer.schedule.make_optimizer`), all in one `tf.function`, with and without
 `jit_compile` (XLA). Configurations: preset x precision (float32, mixed_bfloat16 where
 the device has native bfloat16) x XLA (off/on) x implementation (ours, peer).
 
 Batches are synthetic with fixed lengths (default: source and target 24 tokens, about the
-longest common Multi30k bucket), every token real. Batch 128 sentences = 3072 source + 3072
-target tokens for every preset: near `train.py`'s 4096-token padded budget, and the paper's
-per-GPU share of its 25k-token batches (8 GPUs). tokens/s = batch * (source_length +
-target_length) / step time, padding excluded (there is none).
+longest common Multi30k bucket), every token real. Batch 128 sentences = 3072 source +
+3072 target tokens for every preset but `big` (64): near `train.py`'s 4096-token padded
+budget, and the paper's per-GPU share of its 25k-token batches (8 GPUs). tokens/s =
+batch * (source_length + target_length) / step time, padding excluded (there is none).
 
 The peer is the same encoder-decoder built from KerasHub's `TransformerEncoder`,
 `TransformerDecoder`, `ReversibleEmbedding` (tied input/output embedding, shared between
