@@ -249,15 +249,17 @@ class MultiHeadAttention(keras.layers.Layer):
             query_heads = self._project(query, self.query_kernel, self.query_bias)
             key_heads, value_heads = cache["key"], cache["value"]
         else:
-            if value is query and key is None and cache is None:
-                # Self-attention over a whole sequence: Q, K and V in one matmul. Not
-                # while decoding: one token's projections are tiny, and the joined
-                # kernel would be rebuilt every step.
-                query_heads, key_heads, value_heads = self._project_many(
-                    query,
-                    [self.query_kernel, self.key_kernel, self.value_kernel],
-                    [self.query_bias, self.key_bias, self.value_bias],
-                )
+            if value is query and key is None:  # self-attention
+                kernels = [self.query_kernel, self.key_kernel, self.value_kernel]
+                biases = [self.query_bias, self.key_bias, self.value_bias]
+                if cache is None:  # a whole sequence: Q, K and V in one matmul
+                    query_heads, key_heads, value_heads = self._project_many(query, kernels, biases)
+                else:
+                    # Decoding: one token's three products are tiny, and a joined
+                    # kernel would be rebuilt every step.
+                    query_heads, key_heads, value_heads = (
+                        self._project(query, kernel, bias) for kernel, bias in zip(kernels, biases, strict=True)
+                    )
             else:
                 query_heads = self._project(query, self.query_kernel, self.query_bias)
                 projected = self.project_key_value(value, key)
