@@ -11,16 +11,19 @@ it with `tensorboard --logdir ...`, Profile tab, which needs the `xprof` package
 of the trace:
 
 * `train`: the op time of `--steps` training steps (the `Trainer` step of
-  `train_throughput.py`, same synthetic batch), per op type and per model part
-  (attention, feed-forward, shared embedding, loss, Adam; forward and backward apart).
-  Op times are summed over the threads that ran them, so they add up to more than the
-  step's wall time on a multi-core machine. Graph mode shows every TensorFlow op; an XLA
-  step is one opaque cluster here, with only the ops outside it (the Adam update).
+  `train_throughput.py`, same synthetic batch). In graph mode, per TensorFlow op type
+  and per model part (attention, feed-forward, shared embedding, loss, Adam; forward
+  and backward apart); with `--jit on`, per XLA operation kind and per operation
+  (fusions, matmuls), as for serving.
 * `serving`: the time of each XLA operation (fusions, matmuls, the top-k custom call)
-  inside the beam search of `--requests` single-sentence requests, per request. XLA:CPU
-  records these only with `XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true`, which this
-  script sets before TensorFlow starts; use a `--jit-compile` export (a graph-mode
-  export shows TensorFlow ops instead).
+  inside the beam search of `--requests` single-sentence requests, per request. Use a
+  `--jit-compile` export (a graph-mode export shows TensorFlow ops instead).
+
+XLA:CPU records its operations only with `XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true`,
+which this script sets before TensorFlow starts. Op times are summed over the threads
+that ran them, and XLA runs independent operations concurrently, so they add up to more
+than the wall time on a multi-core machine and an operation sharing the cores looks
+slower than it is alone.
 """
 
 from __future__ import annotations
@@ -50,11 +53,13 @@ _MODEL_PARTS = (
     "LogSoftmax",
     "SparseSoftmaxCrossEntropy",
 )
-# Trace events that wrap others (a request, an executor, a thread pool region, the search loop).
+# Trace events that wrap others (a request, an executor, a thread pool region, the search
+# loop, the call of a fusion outlined by XLA).
 _WRAPPERS = re.compile(
     r"^(ThreadpoolListener::Region|ThunkExecutor::Execute|signature_wrapper|EagerExecute|"
     r"TFE_Py_ExecuteCancelable|EagerKernelExecute|KernelAndDeviceFunc::Run|ExecutorState::.*|"
-    r"CpuExecutable::ExecuteAsyncOnStream|BlockUntilReady|SlinkyThreadPool::Await|EagerLocalExecute.*|while(\.\d+)?)$"
+    r"CpuExecutable::ExecuteAsyncOnStream|BlockUntilReady|SlinkyThreadPool::Await|EagerLocalExecute.*|while(\.\d+)?|"
+    r"call(\.\d+)?)$"
 )
 
 
@@ -108,27 +113,32 @@ def summarize_training(logdir: Path, steps: int, limit: int = 20) -> dict:
     }
 
 
-def summarize_serving(logdir: Path, requests: int, limit: int = 20) -> dict:
-    """Time per request of the XLA operations (and TF ops) inside the requests."""
+def summarize_xla_ops(logdir: Path, count: int, limit: int = 20, outer: str = "signature_wrapper") -> dict:
+    """Time of the XLA operations (and TF ops) per request or step, from the trace events.
+
+    `outer` names the event that spans one request or step (its total is reported as
+    `outer_ms`); events that only wrap others are left out of the op times.
+    """
     events = _tool_data(logdir, "trace_viewer")
     events = events["traceEvents"] if isinstance(events, dict) else events
     by_op, by_kind = collections.Counter(), collections.Counter()
-    request_us = 0.0
+    outer_us = 0.0
     for event in events:
         if event.get("ph") != "X":
             continue
         name, duration = event["name"], event.get("dur", 0.0)
-        if name == "signature_wrapper":
-            request_us += duration
+        if name == outer:
+            outer_us += duration
+            continue
         if _WRAPPERS.match(name):
             continue
         by_op[name] += duration
         by_kind[re.sub(r"([._]\d+)+$", "", name)] += duration  # MatMul.84 -> MatMul
     return {
-        "request_ms": round(request_us / requests / 1e3, 2),
-        "op_time_per_request_ms": round(sum(by_op.values()) / requests / 1e3, 2),
-        "by_op_kind": _ranked(by_kind, requests, limit),
-        "by_op": _ranked(by_op, requests, limit),
+        "outer_ms": round(outer_us / count / 1e3, 2),
+        "op_time_ms": round(sum(by_op.values()) / count / 1e3, 2),
+        "by_op_kind": _ranked(by_kind, count, limit),
+        "by_op": _ranked(by_op, count, limit),
     }
 
 
@@ -149,10 +159,15 @@ def profile_training(args) -> tuple[str, dict]:
     tf.profiler.experimental.start(str(logdir))
     runner.timed_repeat(args.steps)
     tf.profiler.experimental.stop()
+    if args.jit == "on":
+        xla = summarize_xla_ops(logdir, args.steps, outer="train_step")
+        ops = {"op_time_per_step_ms": xla["op_time_ms"], "by_op_kind": xla["by_op_kind"], "by_op": xla["by_op"]}
+    else:
+        ops = summarize_training(logdir, args.steps)
     summary = {
         "config": {"preset": args.preset, "precision": args.precision, "jit": args.jit, "impl": args.impl, "batch": batch},
         "step_s_under_profiler": round(runner.times[-1], 3),
-        **summarize_training(logdir, args.steps),
+        **ops,
     }
     return name, {"logdir": str(logdir), **summary}
 
@@ -174,11 +189,15 @@ def profile_serving(args) -> tuple[str, dict]:
         signature(tf.constant([sentence]))["translation"].numpy()
     tf.profiler.experimental.stop()
     elapsed = time.perf_counter() - started
+    xla = summarize_xla_ops(logdir, args.requests)
     summary = {
         "saved_model": str(args.saved_model),
         "requests": args.requests,
         "wall_ms_per_request_under_profiler": round(elapsed / args.requests * 1e3, 2),
-        **summarize_serving(logdir, args.requests),
+        "request_ms": xla["outer_ms"],
+        "op_time_per_request_ms": xla["op_time_ms"],
+        "by_op_kind": xla["by_op_kind"],
+        "by_op": xla["by_op"],
     }
     return name, {"logdir": str(logdir), **summary}
 
@@ -214,9 +233,9 @@ def _print_table(title, rows, limit):
 
 def main():
     args = parse_args()
+    # XLA:CPU emits per-operation trace events only with this flag, read at start-up.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
     if args.command == "serving":
-        # XLA:CPU emits per-operation trace events only with this flag, read at start-up.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
         name, summary = profile_serving(args)
         print(f"[profile] {summary['request_ms']:.1f} ms per request under the profiler")
         _print_table("per request, by XLA operation kind:", summary["by_op_kind"], args.top)
@@ -225,8 +244,12 @@ def main():
         name, summary = profile_training(args)
         print(f"[profile] step {summary['step_s_under_profiler'] * 1e3:.0f} ms under the profiler; "
               f"op time {summary['op_time_per_step_ms']:.0f} ms per step (summed over threads)")
-        _print_table("per step, by op type:", summary["by_op_type"], args.top)
-        _print_table("per step, by model part:", summary["by_model_part"], args.top)
+        if args.jit == "on":
+            _print_table("per step, by XLA operation kind:", summary["by_op_kind"], args.top)
+            _print_table("per step, single operations:", summary["by_op"], args.top)
+        else:
+            _print_table("per step, by op type:", summary["by_op_type"], args.top)
+            _print_table("per step, by model part:", summary["by_model_part"], args.top)
     payload = common.header(f"profile-{name}", args)
     payload.update(summary)
     common.write_json(f"profile-{name}", payload)

@@ -16,6 +16,7 @@ from keras_transformer.corpora import (
 )
 from keras_transformer.data import make_training_dataset, make_translation_dataset
 from keras_transformer.decoding import beam_search
+from keras_transformer.dropout import Dropout
 from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding, sinusoidal_encoding
 from keras_transformer.losses import label_smoothed_cross_entropy, token_accuracy
 from keras_transformer.masks import causal_mask, padding_mask
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     # Layers and the model.
     "MultiHeadAttention",
+    "Dropout",
     "PositionalEncoding",
     "SharedEmbedding",
     "FeedForward",

@@ -22,6 +22,7 @@ import math
 import keras
 from keras import ops
 
+from keras_transformer.dropout import Dropout
 from keras_transformer.masks import MASKED_LOGIT, causal_mask, check_attention_mask
 
 
@@ -102,7 +103,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.use_bias = use_bias
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
-        self.dropout = keras.layers.Dropout(dropout_rate, dtype=self.dtype_policy)
+        self.dropout = Dropout(dropout_rate, dtype=self.dtype_policy)
 
     def build(self, query_shape, value_shape=None, key_shape=None):
         d_model = query_shape[-1]

@@ -10,6 +10,7 @@ import keras
 from keras import ops
 
 from keras_transformer.attention import MultiHeadAttention
+from keras_transformer.dropout import Dropout
 
 
 def check_model_dims(d_model, num_heads, d_ff, dropout_rate):
@@ -94,7 +95,7 @@ class _ResidualBlock(keras.layers.Layer):
         norm = keras.layers.LayerNormalization(
             epsilon=self.layer_norm_epsilon, name=f"{name}_norm", dtype=self.dtype_policy
         )
-        dropout = keras.layers.Dropout(self.dropout_rate, dtype=self.dtype_policy)
+        dropout = Dropout(self.dropout_rate, dtype=self.dtype_policy)
         return norm, dropout
 
     def _check_inputs(self, inputs_shape):

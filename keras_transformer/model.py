@@ -14,8 +14,8 @@ import keras
 from keras import ops
 
 from keras_transformer.blocks import DecoderLayer, EncoderLayer, check_model_dims
+from keras_transformer.dropout import Dropout
 from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding
-from keras_transformer.masks import padding_mask
 from keras_transformer.presets import get_preset
 
 
@@ -249,7 +249,7 @@ class Transformer(keras.Model):
         self.positional_encoding = PositionalEncoding(
             learned=learned_positions, max_length=max_length, name="positional_encoding", dtype=policy
         )
-        self.embedding_dropout = keras.layers.Dropout(dropout_rate, dtype=policy)
+        self.embedding_dropout = Dropout(dropout_rate, dtype=policy)
         stack_args = dict(
             num_layers=num_layers,
             d_model=d_model,

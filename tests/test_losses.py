@@ -122,5 +122,17 @@ def test_token_accuracy_counts_correct_non_pad_tokens():
     assert (float(correct), float(num_tokens)) == (3.0, 5.0)
 
 
+def test_token_accuracy_matches_argmax_on_random_logits_and_counts_ties():
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, 50, size=(8, 7)).astype("int32")
+    logits = rng.normal(size=(8, 7, 50)).astype("float32")
+    logits[:4] += 3.0 * np.eye(50, dtype="float32")[labels[:4]]  # half of them right
+    expected = ((logits.argmax(-1) == labels) & (labels != 0)).sum()
+    assert 0 < expected < (labels != 0).sum()
+    assert float(token_accuracy(labels, logits)[0]) == expected
+    tied = np.zeros((1, 2, VOCAB), "float32")  # every class ties for the highest score
+    assert float(token_accuracy(np.array([[3, 4]], "int32"), tied)[0]) == 2.0
+
+
 def test_sum_over_replicas_is_the_value_outside_a_strategy():
     assert float(sum_over_replicas(tf.constant(7.0))) == 7.0
