@@ -42,7 +42,7 @@ class Dropout(keras.layers.Dropout):
     """`keras.layers.Dropout` drawing its mask with Threefry when compiled by XLA.
 
     Args:
-        rate: Fraction of the inputs to drop, in `[0, 1)`.
+        rate: Fraction of the inputs to drop, in `[0, 1]`.
         noise_shape: Shape of the binary mask, broadcast against the inputs.
         seed: Integer seed of the layer's seed generator.
         **kwargs: Base `keras.layers.Layer` arguments.
@@ -56,8 +56,8 @@ class Dropout(keras.layers.Dropout):
     """
 
     def call(self, inputs, training=False):
-        if not (training and self.rate > 0) or not building_for_xla():
-            return super().call(inputs, training=training)
+        if not (training and 0 < self.rate < 1) or not building_for_xla():
+            return super().call(inputs, training=training)  # rate 1 included: all zeros
         # The seed as Keras's TensorFlow backend makes it: the generator's next
         # state, folded into int32 (XLA's stateless ops take int32 seeds).
         seed = self.seed_generator.next()

@@ -38,10 +38,11 @@ def test_half_precision_inputs_under_xla(dtype):
     assert abs((outputs == 0).mean() - RATE) < 0.01
 
 
-def test_inference_and_rate_zero_return_the_inputs():
+def test_inference_and_rates_zero_and_one():
     inputs = tf.random.normal(SHAPE)
     np.testing.assert_array_equal(_run(Dropout(RATE), inputs, True, training=False), inputs.numpy())
     np.testing.assert_array_equal(_run(Dropout(0.0), inputs, True), inputs.numpy())
+    np.testing.assert_array_equal(_run(Dropout(1.0), inputs, True), np.zeros(SHAPE))
 
 
 def test_noise_shape_broadcasts_the_mask_under_xla():
