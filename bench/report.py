@@ -329,16 +329,15 @@ def profile_section(payload, rows=8):
             f"{payload['step_s_under_profiler'] * 1e3:.0f} ms per step under the profiler; op time "
             f"{payload['op_time_per_step_ms']:.0f} ms per step, summed over the threads that ran the ops."
         )
-        if "by_op_type" in payload:  # graph mode: TensorFlow ops
-            tables = [("op type", payload["by_op_type"]), ("model part (`grad:` = backward)", payload["by_model_part"])]
-        else:  # XLA: the compiled step's operations
-            tables = [("XLA operation kind", payload["by_op_kind"]), ("single operation", payload["by_op"])]
         unit = "ms/step"
     else:
         title = f"serving requests, `{payload['saved_model']}`"
         intro = f"{payload['request_ms']:.1f} ms per single-sentence request under the profiler."
-        tables = [("XLA operation kind", payload["by_op_kind"]), ("single operation", payload["by_op"])]
         unit = "ms/request"
+    if "by_op_type" in payload:  # a graph-mode step: TensorFlow ops
+        tables = [("op type", payload["by_op_type"]), ("model part (`grad:` = backward)", payload["by_model_part"])]
+    else:  # an XLA step or serving requests: XLA operations
+        tables = [("XLA operation kind", payload["by_op_kind"]), ("single operation", payload["by_op"])]
     lines = [f"## Profile: {title}", "", f"`{payload['command']}` — {payload['date_utc']}. {intro}", ""]
     for name, table in tables:
         lines += [f"| {name} | {unit} | share |", "| --- | ---: | ---: |"]
