@@ -362,6 +362,7 @@ def beam_search(
     use_cache=True,
     eos_id=EOS_ID,
     jit_compile=False,
+    output_kernel=None,
 ) -> Hypotheses:
     """Translates a batch of source ids with a `Transformer` by beam search.
 
@@ -391,6 +392,10 @@ def beam_search(
             decode a fixed number of steps).
         jit_compile: When called eagerly, compile the search with XLA (cached
             decoding with an int `beam_size` only; compiled once per input shape).
+        output_kernel: Optional `model.embedding.transposed_embeddings()` made ahead,
+            `[d_model, vocab_size]`, for the cached search. Without it each search
+            transposes the embedding matrix once; a model whose weights no longer
+            change (a served one, see `Translator`) can keep the transpose instead.
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`: with `n_best=None`, `tokens` int32
@@ -409,13 +414,29 @@ def beam_search(
         use_cache=use_cache,
         eos_id=eos_id,
     )
+    if output_kernel is not None:
+        _check_output_kernel(model, output_kernel)
     if tf.executing_eagerly():
-        return _traced_search(model, jit_compile, **options)(tf.cast(source_ids, tf.int32))
-    return _search_transformer(model, source_ids, **options)
+        search_fn = _traced_search(model, jit_compile, output_kernel is not None, **options)
+        args = [tf.cast(source_ids, tf.int32)]
+        if output_kernel is not None:
+            args.append(tf.cast(output_kernel, model.embedding.compute_dtype))
+        return search_fn(*args)
+    return _search_transformer(model, source_ids, output_kernel=output_kernel, **options)
 
 
 def _search_transformer(
-    model, source_ids, *, beam_size, alpha, max_extra_length, max_length, n_best, use_cache, eos_id
+    model,
+    source_ids,
+    *,
+    beam_size,
+    alpha,
+    max_extra_length,
+    max_length,
+    n_best,
+    use_cache,
+    eos_id,
+    output_kernel=None,
 ):
     source_ids = tf.cast(source_ids, tf.int32)
     encoder_outputs, source_mask = model.encode(source_ids, training=False)
@@ -436,7 +457,8 @@ def _search_transformer(
         layer_caches = model.init_cache(encoder_outputs, buffer_length)
         memory = [expand_to_beams_nest(layer["cross"], beam_size) for layer in layer_caches]
         initial_cache = [layer["self"] for layer in layer_caches]
-        output_kernel = model.embedding.transposed_embeddings()
+        if output_kernel is None:
+            output_kernel = model.embedding.transposed_embeddings()
 
         def symbols_to_logits_fn(ids, step, self_caches):
             newest = ids[:, step][:, None]
@@ -474,24 +496,43 @@ def _search_transformer(
     )
 
 
-# model -> {(jit_compile, options): tf.function}; entries go when the model does.
+def _check_output_kernel(model, output_kernel):
+    """Raises a ValueError unless `output_kernel` has the transposed embeddings' shape."""
+    expected = (model.embedding.d_model, model.embedding.vocab_size)
+    if tuple(output_kernel.shape) != expected:
+        raise ValueError(
+            f"output_kernel must be the transposed embeddings, shape {expected}; "
+            f"got shape {tuple(output_kernel.shape)}."
+        )
+
+
+# model -> {(jit_compile, with_output_kernel, options): tf.function}; entries go
+# when the model does.
 _TRACED_SEARCHES = weakref.WeakKeyDictionary()
 
 
-def _traced_search(model, jit_compile, **options):
-    """The `tf.function` running `_search_transformer` for `model` and `options`, traced once."""
+def _traced_search(model, jit_compile, with_output_kernel, **options):
+    """The `tf.function` running `_search_transformer` for `model` and `options`, traced once.
+
+    With `with_output_kernel`, it takes the output kernel as a second argument.
+    """
     functions = _TRACED_SEARCHES.setdefault(model, {})
-    key = (jit_compile, tuple(sorted(options.items())))
+    key = (jit_compile, with_output_kernel, tuple(sorted(options.items())))
     if key not in functions:
         model_ref = weakref.ref(model)  # the function must not keep the model alive
+        signature = [tf.TensorSpec([None, None], tf.int32)]
+        if with_output_kernel:
+            embedding = model.embedding
+            signature.append(
+                tf.TensorSpec([embedding.d_model, embedding.vocab_size], embedding.compute_dtype)
+            )
 
-        def run(source_ids):
-            return _search_transformer(model_ref(), source_ids, **options)
+        def run(source_ids, output_kernel=None):
+            return _search_transformer(
+                model_ref(), source_ids, output_kernel=output_kernel, **options
+            )
 
         functions[key] = tf.function(
-            run,
-            input_signature=[tf.TensorSpec([None, None], tf.int32)],
-            jit_compile=jit_compile,
-            autograph=False,
+            run, input_signature=signature, jit_compile=jit_compile, autograph=False
         )
     return functions[key]

@@ -367,6 +367,34 @@ def test_xla_compiled_decoding_gives_the_same_hypotheses(trained_model, source_i
     np.testing.assert_allclose(compiled.scores, expected.scores, rtol=1e-5)
 
 
+def test_a_precomputed_output_kernel_gives_the_same_hypotheses(trained_model, source_ids):
+    expected = decode(trained_model, source_ids[:4], n_best=4)
+    kernel = tf.Variable(trained_model.embedding.transposed_embeddings())
+    for jit_compile in (False, True):
+        found = decode(
+            trained_model, source_ids[:4], n_best=4, output_kernel=kernel, jit_compile=jit_compile
+        )
+        np.testing.assert_array_equal(found.tokens, expected.tokens)
+        np.testing.assert_allclose(found.scores, expected.scores, rtol=1e-5)
+
+
+def test_the_given_output_kernel_is_the_one_used(trained_model, source_ids):
+    # All logits equal: every token has log-prob -log(vocab), ties go to the lowest
+    # id (padding, never EOS), so each row runs to its maximum length.
+    zeros = tf.zeros([trained_model.d_model, trained_model.vocab_size])
+    found = decode(trained_model, source_ids[:3], beam_size=1, output_kernel=zeros)
+    lengths = source_lengths(source_ids[:3]) + 50
+    np.testing.assert_array_equal(found.lengths, lengths)
+    expected = -lengths * np.log(trained_model.vocab_size) / penalty(lengths, 0.6)
+    np.testing.assert_allclose(found.scores, expected, rtol=1e-5)
+
+
+def test_an_output_kernel_of_the_wrong_shape_is_rejected(trained_model, source_ids):
+    wrong = trained_model.embedding.embeddings  # [vocab, d_model], not transposed
+    with pytest.raises(ValueError, match="output_kernel must be the transposed embeddings"):
+        decoding.beam_search(trained_model, source_ids[:1], output_kernel=wrong)
+
+
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_mixed_precision_models_decode_with_float32_scores(
     tiny_translation_run, source_ids, policy

@@ -160,6 +160,20 @@ def test_saved_model_cli_lists_the_signatures(exported):
     }
 
 
+def test_the_translator_translates_like_beam_search_with_the_models_own_weights(
+    translator, sentences
+):
+    """The translator's own copy of the output kernel changes the speed, not the results."""
+    from keras_transformer import decoding
+
+    source_ids, _ = translator._source_ids(tf.constant(sentences))
+    best = decoding.beam_search(translator.model, source_ids)
+    expected = translator.tokenizer.detokenize(best.tokens).numpy()
+    found = translate(translator.translate, sentences)
+    assert list(found["translation"]) == list(expected)
+    np.testing.assert_allclose(found["score"], best.scores.numpy(), rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------
 # Serving without this package
 # ---------------------------------------------------------------------------
