@@ -263,11 +263,16 @@ def quiet(args) -> dict:
     return wait_for_quiet(None if args.max_load < 0 else args.max_load, args.max_wait)
 
 
-def finish_load(record: dict) -> dict:
-    """Adds the load after measuring; a 1-minute load above the core count marks the run busy."""
+def finish_load(record: dict, own_threads: int = 0) -> dict:
+    """Adds the load after measuring; a 1-minute load above what the benchmark itself
+    keeps runnable marks the run busy.
+
+    A benchmark keeps up to the core count runnable, or `own_threads` if it runs more
+    concurrent work (the serving benchmark's client threads); more than that means
+    neighbours.
+    """
     after = loadavg()
     record["load_after"] = after
-    cores = os.cpu_count() or 1
-    # Our own benchmark keeps up to `cores` threads busy; more than that means neighbours.
-    record["busy"] = bool(record.get("busy")) or after[0] > cores + 0.5
+    ours = max(os.cpu_count() or 1, own_threads)
+    record["busy"] = bool(record.get("busy")) or after[0] > ours + 0.5
     return record

@@ -239,7 +239,7 @@ def main():
     imported = sorted(m for m in ("keras_transformer", "keras_hub") if m in sys.modules)
     payload["imports_only_tf_and_tf_text"] = not imported
     payload["unexpected_imports"] = imported
-    payload["load"] = common.finish_load(load)
+    payload["load"] = common.finish_load(load, own_threads=args.threads)
     common.write_json(args.output_name, payload)
 
 
