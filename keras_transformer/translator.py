@@ -88,6 +88,11 @@ class Translator(tf.Module):
         super().__init__(name=name)
         if not 1 <= beam_size <= MAX_BEAM_SIZE:
             raise ValueError(f"beam_size must be between 1 and {MAX_BEAM_SIZE}, got {beam_size}.")
+        if not model.built:
+            raise ValueError(
+                "Translator needs a trained model, whose weights exist; this one is not "
+                "built (load one with run_dir.load_model, or call it on a batch first)."
+            )
         if max_input_length < 2:
             raise ValueError(
                 f"max_input_length must leave room for a token and EOS, got {max_input_length}."

@@ -389,6 +389,15 @@ def test_the_given_output_kernel_is_the_one_used(trained_model, source_ids):
     np.testing.assert_allclose(found.scores, expected, rtol=1e-5)
 
 
+def test_a_translator_of_an_unbuilt_model_is_rejected():
+    from keras_transformer import Transformer
+    from keras_transformer.translator import Translator
+
+    unbuilt = Transformer(vocab_size=100, num_layers=1, d_model=16, num_heads=2, d_ff=32)
+    with pytest.raises(ValueError, match="not built"):
+        Translator(unbuilt, tokenizer=None)
+
+
 def test_an_output_kernel_of_the_wrong_shape_is_rejected(trained_model, source_ids):
     wrong = trained_model.embedding.embeddings  # [vocab, d_model], not transposed
     with pytest.raises(ValueError, match="output_kernel must be the transposed embeddings"):
