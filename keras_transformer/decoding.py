@@ -496,9 +496,15 @@ def _search_transformer(
     )
 
 
+def _output_kernel_spec(model):
+    """The `tf.TensorSpec` of `model.embedding.transposed_embeddings()`."""
+    embedding = model.embedding
+    return tf.TensorSpec([embedding.d_model, embedding.vocab_size], embedding.compute_dtype)
+
+
 def _check_output_kernel(model, output_kernel):
     """Raises a ValueError unless `output_kernel` has the transposed embeddings' shape."""
-    expected = (model.embedding.d_model, model.embedding.vocab_size)
+    expected = tuple(_output_kernel_spec(model).shape)
     if tuple(output_kernel.shape) != expected:
         raise ValueError(
             f"output_kernel must be the transposed embeddings, shape {expected}; "
@@ -522,10 +528,7 @@ def _traced_search(model, jit_compile, with_output_kernel, **options):
         model_ref = weakref.ref(model)  # the function must not keep the model alive
         signature = [tf.TensorSpec([None, None], tf.int32)]
         if with_output_kernel:
-            embedding = model.embedding
-            signature.append(
-                tf.TensorSpec([embedding.d_model, embedding.vocab_size], embedding.compute_dtype)
-            )
+            signature.append(_output_kernel_spec(model))
 
         def run(source_ids, output_kernel=None):
             return _search_transformer(
