@@ -10,7 +10,8 @@ Usage:
    size: `keras_transformer.decoding.beam_search(eos_id=...)` is there for this), and
    `max_length=L`: every hypothesis then runs to exactly L tokens. For each L in
    `--lengths` (10, 40, 160) and each mode (cached graph, cached XLA, uncached graph) the
-   whole search is timed (median of `--repeats`), and two per-step figures are derived:
+   whole search is timed (median of `--repeats`, or of more calls for short searches: about
+   `--min-seconds` of them), and two per-step figures are derived:
 
        per_step_total    = T(L) / L                     (encoder + cache set-up amortised)
        per_step_marginal = (T(L) - T(1)) / (L - 1)      (the decoder steps alone)
@@ -89,8 +90,13 @@ def model_description(model):
     }
 
 
-def time_search(model, source_ids, length, mode, beam_size, repeats):
-    """Median seconds of a search decoding exactly `length` tokens per hypothesis."""
+def time_search(model, source_ids, length, mode, beam_size, repeats, min_seconds):
+    """Median seconds of a search decoding exactly `length` tokens per hypothesis.
+
+    At least `repeats` timed calls, more for short searches (up to `min_seconds` of
+    calls, at most 200): the per-step figures divide differences of these medians, and
+    a 15 ms search on a shared VM needs many samples for a stable median.
+    """
     options = MODES[mode]
     never = model.vocab_size  # an id outside the vocabulary: no hypothesis ever ends early
 
@@ -112,6 +118,10 @@ def time_search(model, source_ids, length, mode, beam_size, repeats):
     lengths = out.lengths.numpy()
     if not np.all(lengths == length):
         raise RuntimeError(f"expected {length} decoded tokens, got {lengths}")
+    second = time.perf_counter()
+    common.sync(run())
+    once = time.perf_counter() - second
+    repeats = max(repeats, min(200, int(min_seconds / max(once, 1e-6))))
     times = common.time_calls(run, repeats)
     return {"first_call_s": first, **common.summarize(times)}
 
@@ -128,7 +138,9 @@ def per_step_benchmark(model, args):
             if mode == "uncached" and length > args.max_uncached_length:
                 continue
             try:
-                timing = time_search(model, source_ids, length, mode, args.beam_size, args.repeats)
+                timing = time_search(
+                    model, source_ids, length, mode, args.beam_size, args.repeats, args.min_seconds
+                )
             except Exception as e:  # e.g. XLA unsupported on this device
                 print(f"[decode] {mode} L={length}: FAILED {e!r}"[:400], flush=True)
                 results.append({"mode": mode, "length": length, "error": repr(e)[:500]})
@@ -246,7 +258,10 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=1, help="sentences per search in the per-step part")
     parser.add_argument("--source-length", type=int, default=16, help="source tokens (EOS included)")
     parser.add_argument("--max-uncached-length", type=int, default=160)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timed searches per length, at least")
+    parser.add_argument(
+        "--min-seconds", type=float, default=2.0, help="more repeats for short searches, up to this long"
+    )
     parser.add_argument("--batch1-sentences", type=int, default=200, help="0: all")
     parser.add_argument("--batch32-sentences", type=int, default=0, help="0: all")
     parser.add_argument("--skip-sentences", action="store_true", help="only the per-step part")

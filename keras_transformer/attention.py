@@ -208,6 +208,29 @@ class MultiHeadAttention(keras.layers.Layer):
             "value": ops.zeros((batch_size, self.num_heads, max_length, self._value_dim), dtype=dtype),
         }
 
+    @staticmethod
+    def extend_cache(cache, max_length):
+        """A self-attention cache grown to `max_length` positions, the new ones zeroed.
+
+        Decoding can start with a short buffer and grow it as the output grows, so
+        that each step attends over (and a beam search reorders) a buffer of about
+        the output's length instead of the longest allowed.
+
+        Args:
+            cache: Dict with `"key"` and `"value"` `[batch, num_heads, length, dim]`
+                (from `empty_cache`, filled in by decoding).
+            max_length: New buffer length (int or scalar tensor), `>= length`.
+
+        Returns:
+            The cache with `max_length` positions, its first `length` unchanged.
+        """
+
+        def extend(buffer):
+            grow_by = max_length - ops.shape(buffer)[2]
+            return ops.pad(buffer, [[0, 0], [0, 0], [0, grow_by], [0, 0]])
+
+        return {"key": extend(cache["key"]), "value": extend(cache["value"])}
+
     def project_key_value(self, value, key=None):
         """Projects a fixed memory (the encoder output) into per-head keys and values.
 

@@ -29,8 +29,11 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
 * Shapes are fixed inside the loop: sequences live in a `[batch, beam, max_length + 1]`
   buffer and the model's self-attention cache has a fixed size written in place, so
   the cached search runs under `tf.function(jit_compile=True)` (as long as `beam_size`
-  is a Python int). The uncached path recomputes the growing prefix every step and
-  needs dynamic shapes, so it does not compile with XLA.
+  is a Python int). The cache still grows with the output: the search runs as a few
+  loops, one per cache size (16, 32, 64 positions, then the whole buffer), and grows
+  the cache between them, so that the per-step reorder and attention work on a buffer
+  close to the output's length. The uncached path recomputes the growing prefix every
+  step and needs dynamic shapes, so it does not compile with XLA.
 
 `beam_search` is the thin wrapper for `keras_transformer.Transformer`: it runs the
 encoder once, projects the encoder memory once per decoder layer (`init_cache`), tiles
@@ -43,6 +46,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
+from keras_transformer.attention import MultiHeadAttention
 from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 # Score of impossible candidates and of empty n-best slots; see the module docstring.
@@ -138,6 +142,8 @@ def search(
     row_max_lengths=None,
     n_best=None,
     pad_id: int = PAD_ID,
+    cache_lengths=None,
+    extend_cache_fn=None,
 ) -> Hypotheses:
     """Beam search with any scoring function (greedy decoding for `beam_size=1`).
 
@@ -164,6 +170,14 @@ def search(
         n_best: Hypotheses to return per row (`<= beam_size`), int or int32 scalar;
             `None` returns the best one without the `n_best` axis.
         pad_id: Id written after the end of each sequence.
+        cache_lengths: For a cache with a time axis that grows with the output:
+            its increasing lengths (ints or int32 scalars, at most
+            `max_decode_length`), after which it grows to `max_decode_length`.
+            `initial_cache` then holds `cache_lengths[0]` positions; the steps
+            writing positions below `cache_lengths[i]` run with that length, and
+            `extend_cache_fn(cache, length)` grows the (per-beam) cache between them.
+            `None`: `initial_cache` is already what every step needs.
+        extend_cache_fn: `(cache, length) -> cache`, needed with `cache_lengths`.
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`, see there.
@@ -235,14 +249,33 @@ def search(
             state.step < max_decode_length, tf.logical_not(tf.reduce_all(row_done))
         )
 
-    initial_state = _initial_state(initial_ids, initial_cache, max_decode_length, beam_size, pad_id)
-    (final,) = tf.while_loop(
-        should_continue,
-        lambda state: (grow(state),),
-        (initial_state,),
-        shape_invariants=(tf.nest.map_structure(_any_batch_size, initial_state),),
-    )
-    return _hypotheses(final, n_best, pad_id)
+    if cache_lengths and extend_cache_fn is None:
+        raise ValueError("cache_lengths needs an extend_cache_fn to grow the cache.")
+    segment_ends = [*(cache_lengths or []), max_decode_length]
+    state = _initial_state(initial_ids, initial_cache, max_decode_length, beam_size, pad_id)
+    for segment, end in enumerate(segment_ends):
+        if segment:
+            state = state._replace(alive_cache=extend_cache_fn(state.alive_cache, end))
+        # The step at `state.step` writes cache position `state.step`.
+        (state,) = tf.while_loop(
+            lambda state, end=end: tf.logical_and(should_continue(state), state.step < end),
+            lambda state: (grow(state),),
+            (state,),
+            shape_invariants=(tf.nest.map_structure(_any_batch_size, state),),
+        )
+    return _hypotheses(state, n_best, pad_id)
+
+
+def doubling_cache_lengths(max_decode_length, first=16, doublings=2):
+    """Cache lengths for `search(cache_lengths=...)`: `first`, twice that, ... (`doublings` times).
+
+    Each is capped at `max_decode_length` (a segment whose length repeats the
+    previous one runs no step), so each step works on a buffer under twice the
+    output's length (past `first` and up to `first * 2 ** doublings`), and growing
+    copies the cache about twice over a whole search. The count is fixed so that it
+    does not depend on a traced `max_decode_length`.
+    """
+    return [tf.minimum(first * 2**i, max_decode_length) for i in range(doublings + 1)]
 
 
 def _num_candidates(beam_size):
@@ -453,8 +486,11 @@ def _search_transformer(
     row_max_lengths = tf.maximum(row_max_lengths, 1)
 
     beam_source_mask = expand_to_beams(source_mask, beam_size)
+    cache_lengths = extend_cache_fn = None
     if use_cache:
-        layer_caches = model.init_cache(encoder_outputs, buffer_length)
+        # The self-attention buffers grow with the output (see doubling_cache_lengths).
+        cache_lengths = doubling_cache_lengths(buffer_length)
+        layer_caches = model.init_cache(encoder_outputs, cache_lengths[0])
         memory = [expand_to_beams_nest(layer["cross"], beam_size) for layer in layer_caches]
         initial_cache = [layer["self"] for layer in layer_caches]
         if output_kernel is None:
@@ -470,6 +506,9 @@ def _search_transformer(
                 newest, caches, step, beam_source_mask, output_kernel=output_kernel
             )
             return logits[:, -1], [layer["self"] for layer in caches]
+
+        def extend_cache_fn(self_caches, length):
+            return [MultiHeadAttention.extend_cache(cache, length) for cache in self_caches]
 
     else:
         beam_encoder_outputs = expand_to_beams(encoder_outputs, beam_size)
@@ -493,6 +532,8 @@ def _search_transformer(
         row_max_lengths=row_max_lengths,
         n_best=n_best,
         pad_id=model.pad_id,
+        cache_lengths=cache_lengths,
+        extend_cache_fn=extend_cache_fn,
     )
 
 

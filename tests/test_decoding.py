@@ -62,24 +62,75 @@ def make_scorer(tables, counter=None):
     return symbols_to_logits_fn
 
 
+def make_history_scorer(tables):
+    """`make_scorer` with a growing cache: a token buffer `[rows, length]` written in place.
+
+    Like a self-attention cache, position `i` of the buffer holds the token fed at
+    step `i`, and each step reads the whole prefix back from it (the prefix hash
+    `sum((token_i + 1) * 31 ** (step - i)) mod 97`, `next_hash` unrolled). A cache
+    too short for a step fails; a lost position or a wrong reorder changes the scores.
+    """
+    tables = tf.constant(tables)
+    powers_of_31 = tf.constant([31**k % HASH_MODULUS for k in range(MAX_STEPS)])
+
+    def symbols_to_logits_fn(ids, step, cache):
+        history = cache["history"]
+        positions = tf.range(tf.shape(history)[1])
+        check = tf.debugging.assert_less(step, tf.shape(history)[1], message="cache too short")
+        with tf.control_dependencies([check]):
+            written = tf.where(positions == step, ids[:, step][:, None], history)
+        history = tf.ensure_shape(written, history.shape)
+        weights = tf.gather(powers_of_31, tf.maximum(step - positions, 0))
+        weights *= tf.cast(positions <= step, tf.int32)
+        prefix_hash = tf.reduce_sum((history + 1) * weights, axis=1) % HASH_MODULUS
+        steps = tf.fill(tf.shape(prefix_hash), step)
+        logits = tf.gather_nd(tables, tf.stack([cache["row"], steps, prefix_hash], axis=-1))
+        return logits, {"history": history, "row": cache["row"]}
+
+    return symbols_to_logits_fn
+
+
+def extend_history(cache, length):
+    history = cache["history"]
+    grown = tf.pad(history, [[0, 0], [0, length - tf.shape(history)[1]]])
+    return {"history": grown, "row": cache["row"]}
+
+
 def run_search(
-    tables, beam_size, alpha, n_best=None, counter=None, jit_compile=False, row_max_lengths=None
+    tables,
+    beam_size,
+    alpha,
+    n_best=None,
+    counter=None,
+    jit_compile=False,
+    row_max_lengths=None,
+    cache_lengths=None,
 ):
+    """`decoding.search` over `tables`; with `cache_lengths`, the history scorer's growing cache."""
     rows = len(tables)
     row_max_lengths = ROW_MAX_LENGTHS[:rows] if row_max_lengths is None else row_max_lengths
+    if cache_lengths is None:
+        scorer = make_scorer(tables, counter)
+        initial_cache = {"hash": tf.zeros([rows], tf.int32), "row": tf.range(rows)}
+        growth = {}
+    else:
+        scorer = make_history_scorer(tables)
+        initial_cache = {"history": tf.zeros([rows, cache_lengths[0]], tf.int32), "row": tf.range(rows)}
+        growth = dict(cache_lengths=cache_lengths, extend_cache_fn=extend_history)
 
     @tf.function(jit_compile=jit_compile, autograph=False)
     def run(beam_size, alpha):
         return decoding.search(
-            make_scorer(tables, counter),
+            scorer,
             tf.fill([rows], START),
-            {"hash": tf.zeros([rows], tf.int32), "row": tf.range(rows)},
+            initial_cache,
             max(row_max_lengths, default=MAX_STEPS),
             eos_id=EOS,
             beam_size=beam_size,
             alpha=alpha,
             row_max_lengths=tf.constant(row_max_lengths, tf.int32),
             n_best=n_best,
+            **growth,
         )
 
     return tf.nest.map_structure(np.asarray, run(beam_size, alpha))
@@ -154,6 +205,47 @@ def test_large_beam_returns_the_exact_n_best_of_brute_force(alpha):
         np.testing.assert_allclose(
             [s for s, _ in found], [s for s, _ in expected], rtol=1e-5, atol=1e-5
         )
+
+
+@pytest.mark.parametrize("cache_lengths", [[1, 2, 3], [1, 3, 3], [2], [4]])
+def test_a_cache_grown_in_segments_gives_the_exact_n_best_of_brute_force(cache_lengths):
+    tables = make_tables(seed=5)
+    for jit_compile in (False, True):
+        result = run_search(
+            tables, EXACT_BEAM, 0.6, n_best=10, jit_compile=jit_compile, cache_lengths=cache_lengths
+        )
+        for row, max_length in enumerate(ROW_MAX_LENGTHS):
+            expected = all_hypotheses(tables[row], max_length, 0.6)[:10]
+            found = as_hypotheses(result, row)[: len(expected)]
+            assert [tokens for _, tokens in found] == [tokens for _, tokens in expected], row
+            np.testing.assert_allclose(
+                [s for s, _ in found], [s for s, _ in expected], rtol=1e-5, atol=1e-5
+            )
+
+
+def test_a_cache_that_does_not_grow_is_too_short_for_the_history_scorer():
+    # So the test above needs the growth: the scorer does not clamp a short cache.
+    def search(**growth):
+        return decoding.search(
+            make_history_scorer(make_tables(seed=5)),
+            tf.fill([1], START),
+            {"history": tf.zeros([1, 1], tf.int32), "row": tf.range(1)},
+            MAX_STEPS,
+            eos_id=EOS,
+            **growth,
+        )
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="cache too short"):
+        search()
+    with pytest.raises(ValueError, match="extend_cache_fn"):
+        search(cache_lengths=[1])
+
+
+def test_doubling_cache_lengths_double_up_to_the_buffer_length():
+    lengths = decoding.doubling_cache_lengths(tf.constant(100), first=8, doublings=5)
+    assert [int(n) for n in lengths] == [8, 16, 32, 64, 100, 100]
+    lengths = decoding.doubling_cache_lengths(tf.constant(1000), first=8, doublings=2)
+    assert [int(n) for n in lengths] == [8, 16, 32]
 
 
 def test_small_beams_are_not_exact_so_the_exact_test_means_something():
@@ -357,6 +449,18 @@ def test_padding_and_other_rows_do_not_change_a_translation(trained_model, sourc
             assert other.lengths[row] == length
             np.testing.assert_array_equal(other.tokens[row, :length], alone.tokens[0, :length])
             np.testing.assert_allclose(other.scores[row], alone.scores[0], rtol=1e-5)
+
+
+def test_long_outputs_cross_the_growing_cache_segments_unchanged(trained_model, source_ids):
+    # 40 tokens (an id never generated as EOS): the self-attention buffers grow
+    # 16 -> 32 -> 40 positions in the cached search; the uncached one has no buffer.
+    options = dict(beam_size=4, n_best=4, max_length=40, eos_id=-1)
+    uncached = decode(trained_model, source_ids[:3], use_cache=False, **options)
+    np.testing.assert_array_equal(uncached.lengths, 40)
+    for jit_compile in (False, True):
+        cached = decode(trained_model, source_ids[:3], jit_compile=jit_compile, **options)
+        np.testing.assert_array_equal(cached.tokens, uncached.tokens)
+        np.testing.assert_allclose(cached.scores, uncached.scores, rtol=1e-5, atol=1e-5)
 
 
 def test_xla_compiled_decoding_gives_the_same_hypotheses(trained_model, source_ids):
