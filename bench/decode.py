@@ -10,8 +10,10 @@ Usage:
    size: `keras_transformer.decoding.beam_search(eos_id=...)` is there for this), and
    `max_length=L`: every hypothesis then runs to exactly L tokens. For each L in
    `--lengths` (10, 40, 160) and each mode (cached graph, cached XLA, uncached graph) the
-   whole search is timed (median of `--repeats`, or of more calls for short searches: about
-   `--min-seconds` of them), and two per-step figures are derived:
+   whole search is timed: `--repeats` rounds, each timing every L once (a short search
+   several times in a row, averaged, to give each L about `--min-seconds` in all), so a
+   drift of the machine's speed moves all lengths alike; the median over the rounds is
+   T(L). Two per-step figures are derived:
 
        per_step_total    = T(L) / L                     (encoder + cache set-up amortised)
        per_step_marginal = (T(L) - T(1)) / (L - 1)      (the decoder steps alone)
@@ -90,13 +92,8 @@ def model_description(model):
     }
 
 
-def time_search(model, source_ids, length, mode, beam_size, repeats, min_seconds):
-    """Median seconds of a search decoding exactly `length` tokens per hypothesis.
-
-    At least `repeats` timed calls, more for short searches (up to `min_seconds` of
-    calls, at most 200): the per-step figures divide differences of these medians, and
-    a 15 ms search on a shared VM needs many samples for a stable median.
-    """
+def fixed_length_search(model, source_ids, length, mode, beam_size):
+    """A function running one search that decodes exactly `length` tokens per hypothesis."""
     options = MODES[mode]
     never = model.vocab_size  # an id outside the vocabulary: no hypothesis ever ends early
 
@@ -111,19 +108,43 @@ def time_search(model, source_ids, length, mode, beam_size, repeats, min_seconds
             **options,
         )
 
-    start = time.perf_counter()
-    out = run()
-    common.sync(out)
-    first = time.perf_counter() - start
-    lengths = out.lengths.numpy()
-    if not np.all(lengths == length):
-        raise RuntimeError(f"expected {length} decoded tokens, got {lengths}")
-    second = time.perf_counter()
-    common.sync(run())
-    once = time.perf_counter() - second
-    repeats = max(repeats, min(200, int(min_seconds / max(once, 1e-6))))
-    times = common.time_calls(run, repeats)
-    return {"first_call_s": first, **common.summarize(times)}
+    return run
+
+
+def time_searches(model, source_ids, lengths, mode, beam_size, rounds, min_seconds):
+    """Median seconds per search for each of `lengths`, timed in interleaved rounds.
+
+    Each round times every length once, a short search several times in a row
+    (averaged, so that each length gets about `min_seconds` over all rounds): a drift
+    of the machine's speed during the benchmark then moves every length alike, and
+    the per-step figures, differences of these medians, stay comparable.
+    """
+    runs, first_call, calls = {}, {}, {}
+    for length in lengths:
+        run = fixed_length_search(model, source_ids, length, mode, beam_size)
+        start = time.perf_counter()
+        out = run()
+        common.sync(out)
+        first_call[length] = time.perf_counter() - start
+        if not np.all(out.lengths.numpy() == length):
+            raise RuntimeError(f"expected {length} decoded tokens, got {out.lengths.numpy()}")
+        start = time.perf_counter()
+        common.sync(run())
+        once = time.perf_counter() - start
+        calls[length] = max(1, int(min_seconds / rounds / max(once, 1e-6)))
+        runs[length] = run
+    samples = {length: [] for length in lengths}
+    for _ in range(rounds):
+        for length in lengths:
+            samples[length] += common.time_calls(runs[length], 1, calls_per_repeat=calls[length])
+    return {
+        length: {
+            "first_call_s": first_call[length],
+            "calls_per_repeat": calls[length],
+            **common.summarize(samples[length]),
+        }
+        for length in lengths
+    }
 
 
 def per_step_benchmark(model, args):
@@ -133,35 +154,33 @@ def per_step_benchmark(model, args):
     source_ids = tf.constant(source)
     results = []
     for mode in args.modes:
-        baseline = None
-        for length in sorted(set([1] + args.lengths)):
-            if mode == "uncached" and length > args.max_uncached_length:
-                continue
-            try:
-                timing = time_search(
-                    model, source_ids, length, mode, args.beam_size, args.repeats, args.min_seconds
-                )
-            except Exception as e:  # e.g. XLA unsupported on this device
-                print(f"[decode] {mode} L={length}: FAILED {e!r}"[:400], flush=True)
-                results.append({"mode": mode, "length": length, "error": repr(e)[:500]})
-                continue
-            total = timing["median_s"]
-            if length == 1:
-                baseline = total
-            entry = {
-                "mode": mode,
-                "length": length,
-                "batch": args.batch,
-                "beam_size": args.beam_size,
-                "source_length": args.source_length,
-                "search": timing,
-                "per_step_total_s": total / length,
-                "per_step_marginal_s": None
-                if baseline is None or length == 1
-                else (total - baseline) / (length - 1),
-            }
-            results.append(entry)
-            marginal = entry["per_step_marginal_s"]
+        lengths = sorted(set([1] + args.lengths))
+        if mode == "uncached":
+            lengths = [length for length in lengths if length <= args.max_uncached_length]
+        try:
+            timings = time_searches(
+                model, source_ids, lengths, mode, args.beam_size, args.repeats, args.min_seconds
+            )
+        except Exception as e:  # e.g. XLA unsupported on this device
+            print(f"[decode] {mode}: FAILED {e!r}"[:400], flush=True)
+            results += [{"mode": mode, "length": length, "error": repr(e)[:500]} for length in lengths]
+            continue
+        baseline = timings[1]["median_s"]
+        for length in lengths:
+            total = timings[length]["median_s"]
+            marginal = None if length == 1 else (total - baseline) / (length - 1)
+            results.append(
+                {
+                    "mode": mode,
+                    "length": length,
+                    "batch": args.batch,
+                    "beam_size": args.beam_size,
+                    "source_length": args.source_length,
+                    "search": timings[length],
+                    "per_step_total_s": total / length,
+                    "per_step_marginal_s": marginal,
+                }
+            )
             print(
                 f"[decode] {mode:10s} L={length:4d}: search {total * 1e3:8.1f} ms, "
                 f"per step {total / length * 1e3:6.2f} ms (total/L)"
@@ -258,9 +277,9 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=1, help="sentences per search in the per-step part")
     parser.add_argument("--source-length", type=int, default=16, help="source tokens (EOS included)")
     parser.add_argument("--max-uncached-length", type=int, default=160)
-    parser.add_argument("--repeats", type=int, default=5, help="timed searches per length, at least")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds over all lengths")
     parser.add_argument(
-        "--min-seconds", type=float, default=2.0, help="more repeats for short searches, up to this long"
+        "--min-seconds", type=float, default=2.0, help="time per length over all rounds (short searches repeat)"
     )
     parser.add_argument("--batch1-sentences", type=int, default=200, help="0: all")
     parser.add_argument("--batch32-sentences", type=int, default=0, help="0: all")
