@@ -12,7 +12,8 @@ What this layer adds to Keras's own is a cache for incremental decoding: the
 keys and values of positions already decoded are kept in a fixed-size buffer
 that is written in place (`cache_index`), so each decoding step projects only
 the newest token and the buffer's shape never changes inside a
-`tf.while_loop` or an XLA cluster. Cached keys and values are head-major,
+`tf.while_loop` or an XLA cluster (between loops, `extend_cache` grows it as the
+output grows). Cached keys and values are head-major,
 `[batch, num_heads, length, head_dim]`, the layout the attention matmuls read,
 so a decoding step does not transpose the whole cache.
 """
