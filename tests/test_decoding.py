@@ -47,14 +47,19 @@ def next_hash(prefix_hash, token):
     return (prefix_hash * 31 + token + 1) % HASH_MODULUS
 
 
+def table_logits(tables, rows, step, prefix_hash):
+    """The logits `tables[row, step, prefix_hash]` of each flat beam."""
+    steps = tf.fill(tf.shape(prefix_hash), step)
+    return tf.gather_nd(tables, tf.stack([rows, steps, prefix_hash], axis=-1))
+
+
 def make_scorer(tables, counter=None):
     """`symbols_to_logits_fn` reading `tables` by row, step and prefix hash (kept in the cache)."""
     tables = tf.constant(tables)
 
     def symbols_to_logits_fn(ids, step, cache):
         prefix_hash = next_hash(cache["hash"], ids[:, step])
-        steps = tf.fill(tf.shape(prefix_hash), step)
-        logits = tf.gather_nd(tables, tf.stack([cache["row"], steps, prefix_hash], axis=-1))
+        logits = table_logits(tables, cache["row"], step, prefix_hash)
         if counter is not None:
             counter.assign_add(1)
         return logits, {"hash": prefix_hash, "row": cache["row"]}
@@ -83,8 +88,7 @@ def make_history_scorer(tables):
         weights = tf.gather(powers_of_31, tf.maximum(step - positions, 0))
         weights *= tf.cast(positions <= step, tf.int32)
         prefix_hash = tf.reduce_sum((history + 1) * weights, axis=1) % HASH_MODULUS
-        steps = tf.fill(tf.shape(prefix_hash), step)
-        logits = tf.gather_nd(tables, tf.stack([cache["row"], steps, prefix_hash], axis=-1))
+        logits = table_logits(tables, cache["row"], step, prefix_hash)
         return logits, {"history": history, "row": cache["row"]}
 
     return symbols_to_logits_fn
