@@ -1,4 +1,4 @@
-"""Dropout: the XLA path (Threefry) against the definition of dropout and Keras's own layer."""
+"""Dropout: its 16-bit masks (Philox, Threefry under XLA) against the definition of dropout and Keras's layer."""
 
 import keras
 import numpy as np
@@ -11,17 +11,41 @@ RATE = 0.1
 SHAPE = (256, 1024)
 
 
+def keep_scale(rate):
+    """1 / P(keep), with the drop probability rounded to a multiple of 2**-16 as documented."""
+    return 1.0 / (1.0 - round(rate * 2**16) / 2**16)
+
+
 def _run(layer, inputs, jit_compile, training=True):
     return tf.function(lambda x: layer(x, training=training), jit_compile=jit_compile)(inputs).numpy()
 
 
+def _within_six_sigma(fraction, probability, count):
+    return abs(fraction - probability) < 6 * np.sqrt(probability * (1 - probability) / count)
+
+
 @pytest.mark.parametrize("jit_compile", [True, False])
-def test_drops_the_rate_and_scales_the_rest(jit_compile):
-    outputs = _run(Dropout(RATE, seed=1), tf.ones(SHAPE), jit_compile)
-    dropped = (outputs == 0).mean()
-    # Binomial(n, 0.1): the standard deviation of the fraction is 0.0006; allow 6 of them.
-    assert abs(dropped - RATE) < 6 * np.sqrt(RATE * (1 - RATE) / outputs.size)
-    np.testing.assert_allclose(np.unique(outputs[outputs != 0]), [1.0 / (1.0 - RATE)], rtol=1e-6)
+@pytest.mark.parametrize("shape", [SHAPE, (257, 1023)])  # an odd size leaves half a word over
+def test_drops_the_rate_and_scales_the_rest(jit_compile, shape):
+    outputs = _run(Dropout(RATE, seed=1), tf.ones(shape), jit_compile)
+    assert outputs.shape == shape
+    # Binomial(n, 0.1): the standard deviation of the fraction is 0.0006.
+    assert _within_six_sigma((outputs == 0).mean(), RATE, outputs.size)
+    np.testing.assert_allclose(np.unique(outputs[outputs != 0]), [keep_scale(RATE)], rtol=1e-6)
+    np.testing.assert_allclose(keep_scale(RATE), 1.0 / (1.0 - RATE), rtol=1e-5)  # quantisation is tiny
+
+
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_neighbours_are_dropped_independently(jit_compile):
+    """The two 16-bit halves of one random word decide two neighbouring elements."""
+    dropped = _run(Dropout(RATE, seed=7), tf.ones(SHAPE), jit_compile).reshape(-1, 2) == 0
+    both = (dropped[:, 0] & dropped[:, 1]).mean()
+    assert _within_six_sigma(both, RATE**2, len(dropped))  # 0.01; equal halves would give 0.1
+
+
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_a_rate_next_to_one_drops_everything_without_overflow(jit_compile):
+    np.testing.assert_array_equal(_run(Dropout(1 - 2**-20), tf.ones(SHAPE), jit_compile), np.zeros(SHAPE))
 
 
 def test_the_mask_changes_between_calls_under_xla():
@@ -65,7 +89,7 @@ def test_gradient_is_the_mask_over_keep_probability():
         return y, tape.gradient(total, x)
 
     outputs, gradient = (t.numpy() for t in outputs_and_gradient(inputs))
-    np.testing.assert_allclose(gradient, (outputs != 0) / (1.0 - RATE), rtol=1e-6)
+    np.testing.assert_allclose(gradient, (outputs != 0) * keep_scale(RATE), rtol=1e-6)
 
 
 def test_building_for_xla_is_true_only_inside_compiled_functions():
