@@ -13,7 +13,7 @@ memory once per layer, and `decode_step` feeds only the newest tokens.
 import keras
 from keras import ops
 
-from keras_transformer.blocks import DecoderLayer, EncoderLayer, check_model_dims
+from keras_transformer.blocks import DecoderLayer, EncoderLayer, check_model_dims, rowwise
 from keras_transformer.dropout import Dropout
 from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding
 from keras_transformer.presets import get_preset
@@ -80,7 +80,7 @@ class _Stack(keras.layers.Layer):
         self.built = True
 
     def _finish(self, x):
-        return x if self.final_norm is None else self.final_norm(x)
+        return x if self.final_norm is None else rowwise(self.final_norm, x)
 
     def compute_output_shape(self, inputs_shape, *args, **kwargs):
         return tuple(inputs_shape)

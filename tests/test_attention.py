@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import keras
+import tensorflow as tf
 
 from keras_transformer import MultiHeadAttention, causal_mask
 
@@ -41,6 +42,34 @@ def test_self_attention_matches_keras_multi_head_attention():
     np.testing.assert_allclose(out, expected, atol=1e-5)
     np.testing.assert_allclose(scores, expected_scores, atol=1e-6)
     np.testing.assert_allclose(out, ours(query, np.array(query), use_causal_mask=True), atol=1e-5)
+
+
+@pytest.mark.parametrize("self_attention", [True, False])
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_gradients_match_keras_multi_head_attention(self_attention, jit_compile):
+    """Backward too: ours joins the projections (and their biases), Keras keeps them apart."""
+    ours, theirs, query, value = copied_pair(seed=7)
+    if self_attention:
+        value = query
+    upstream = np.random.default_rng(7).normal(size=query.shape).astype("float32")
+
+    def gradients(layer):
+        @tf.function(jit_compile=jit_compile)
+        def run(query, value):
+            with tf.GradientTape() as tape:
+                tape.watch([query, value])
+                value_in = query if self_attention else value  # self-attention: the same tensor
+                loss = tf.reduce_sum(layer(query, value_in, use_causal_mask=self_attention) * upstream)
+            return tape.gradient(loss, [query, value] + layer.trainable_weights)
+
+        return run(tf.constant(query), tf.constant(value))
+
+    expected = gradients(theirs)
+    assert len(expected) == 2 + 8
+    for got, want in zip(gradients(ours), expected, strict=True):
+        if want is None:  # the unused `value` input of self-attention
+            continue
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_matches_keras_multi_head_attention_with_attention_mask():
