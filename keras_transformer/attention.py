@@ -185,8 +185,8 @@ class MultiHeadAttention(keras.layers.Layer):
         if biases[0] is not None:
             # One bias add on the joint product, not one per projection, and on a
             # matrix: its gradient is one column sum of a `[tokens, width]` matrix,
-            # which XLA on CPUs computes about 3x faster than a sum over the first
-            # two axes of a `[batch, length, width]` tensor (see `blocks.rowwise`).
+            # which XLA on CPUs computes faster than a sum over the first two axes
+            # of a `[batch, length, width]` tensor (see `blocks.rowwise`).
             flat = flat + _joined([ops.reshape(b, (-1,)) for b in biases], axis=0)
         pieces = [flat]
         if len(kernels) > 1:
@@ -345,8 +345,9 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _merge_heads(self, context):
         """`context` `[batch, heads, length, value_dim]` times the output kernel, plus the output
-        bias, as one 2-D matmul and a bias add on its rows (for the reasons given in `_project`
-        and `_project_many`)."""
+        bias, as one 2-D matmul (for the reason given in `_project`) and a bias add on its rows,
+        which oneDNN fuses into the matmul in graph mode. (Under XLA the bias gradient stays a
+        sum over a 3-D tensor: XLA folds the reshape back into it.)"""
         context = ops.transpose(context, (0, 2, 1, 3))
         batch, length = ops.shape(context)[0], ops.shape(context)[1]
         heads, value_dim, output_dim = self.output_kernel.shape

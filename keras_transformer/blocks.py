@@ -33,9 +33,11 @@ def rowwise(layer, x):
     For layers that treat each position alone (LayerNorm, the feed-forward network)
     the result is the same. What changes is the gradient of their per-feature weights
     (gains, biases): a column sum of a matrix instead of a sum over the first two axes
-    of a 3-D tensor, which XLA on CPUs splits into slow windowed partial sums. In a
-    `small` training step with `--jit-compile`, those sums over 3-D tensors took 30 ms
-    of op time (`bench/profile_trace.py train --jit on`, `wrapped_reduce-window`).
+    of a 3-D tensor, which XLA on CPUs splits into slow windowed partial sums. In the
+    profile of a `small` training step with `--jit-compile` (`bench/profile_trace.py
+    train --jit on`, `wrapped_reduce-window`), 30 such sums took 30.6 ms of op time;
+    with LayerNorm applied row-wise its sums took 2.9 ms, and 15 sums over 3-D tensors
+    (16.7 ms) were left, those of the attention output biases.
     """
     shape = ops.shape(x)
     return ops.reshape(layer(ops.reshape(x, (-1, shape[-1]))), shape)
