@@ -48,9 +48,10 @@ def test_a_rate_next_to_one_drops_everything_without_overflow(jit_compile):
     np.testing.assert_array_equal(_run(Dropout(1 - 2**-20), tf.ones(SHAPE), jit_compile), np.zeros(SHAPE))
 
 
-def test_the_mask_changes_between_calls_under_xla():
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_the_mask_changes_between_calls(jit_compile):
     layer = Dropout(RATE, seed=2)
-    step = tf.function(lambda x: layer(x, training=True), jit_compile=True)
+    step = tf.function(lambda x: layer(x, training=True), jit_compile=jit_compile)
     first, second = step(tf.ones(SHAPE)).numpy(), step(tf.ones(SHAPE)).numpy()
     assert (first == 0).any() and ((first == 0) != (second == 0)).mean() > 0.1
 
@@ -69,8 +70,9 @@ def test_inference_and_rates_zero_and_one():
     np.testing.assert_array_equal(_run(Dropout(1.0), inputs, True), np.zeros(SHAPE))
 
 
-def test_noise_shape_broadcasts_the_mask_under_xla():
-    outputs = _run(Dropout(0.5, noise_shape=(None, 1), seed=3), tf.ones(SHAPE), True)
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_noise_shape_broadcasts_the_mask(jit_compile):
+    outputs = _run(Dropout(0.5, noise_shape=(None, 1), seed=3), tf.ones(SHAPE), jit_compile)
     rows_dropped = (outputs == 0).all(axis=1)
     assert ((outputs == 0).any(axis=1) == rows_dropped).all()  # whole rows or nothing
     assert 0 < rows_dropped.sum() < SHAPE[0]
