@@ -346,8 +346,9 @@ class MultiHeadAttention(keras.layers.Layer):
     def _merge_heads(self, context):
         """`context` `[batch, heads, length, value_dim]` times the output kernel, plus the output
         bias, as one 2-D matmul (for the reason given in `_project`) and a bias add on its rows,
-        which oneDNN fuses into the matmul in graph mode. (Under XLA the bias gradient stays a
-        sum over a 3-D tensor: XLA folds the reshape back into it.)"""
+        which oneDNN fuses into the matmul in graph mode. (Under XLA the bias gradient is a
+        column sum only if the caller also keeps the result 2-D: XLA folds reshapes into
+        the sum; see `blocks._ResidualBlock._residual`.)"""
         context = ops.transpose(context, (0, 2, 1, 3))
         batch, length = ops.shape(context)[0], ops.shape(context)[1]
         heads, value_dim, output_dim = self.output_kernel.shape

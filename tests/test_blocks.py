@@ -1,11 +1,12 @@
-"""The position-wise pieces of the blocks: the feed-forward network by its formula, `rowwise` against Keras's layer."""
+"""The blocks: the feed-forward network by its formula, `rowwise` against Keras's layer, and the
+residual wiring of the encoder and decoder layers against the paper's formulas."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_transformer.blocks import FeedForward, rowwise
+from keras_transformer.blocks import DecoderLayer, EncoderLayer, FeedForward, rowwise
 
 SHAPE = (3, 5, 8)
 
@@ -41,3 +42,78 @@ def test_rowwise_layer_norm_equals_keras_layer_norm_forward_and_backward(jit_com
     assert got[0].shape == SHAPE
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, atol=1e-5)
+
+
+def _residual_formula(norm_first):
+    """Sub-layer `f` with its norm: post-LN norm(x + f(x)) (paper, section 3.1), or pre-LN x + f(norm(x))."""
+    if norm_first:
+        return lambda x, f, norm: x + f(norm(x))
+    return lambda x, f, norm: norm(x + f(x))
+
+
+def _with_random_weights(layer, rng, *inputs):
+    """`layer`, built on `inputs`, with every weight drawn from N(0, 1) (biases and gains included)."""
+    layer(*inputs)
+    layer.set_weights([rng.normal(size=w.shape).astype("float32") for w in layer.get_weights()])
+    return layer
+
+
+def _assert_all_close(got, expected):
+    # Weights drawn from N(0, 1) make large activations and gradients: tolerances
+    # relative to each tensor's scale (XLA's fused gradients round differently).
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(e).max())))
+
+
+def _outputs_and_gradients(layer, apply, inputs, upstream, jit_compile):
+    @tf.function(jit_compile=jit_compile)
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            y = apply(*inputs)
+            loss = tf.reduce_sum(y * upstream)
+        return [y] + tape.gradient(loss, list(inputs) + layer.trainable_weights)
+
+    return run()
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_layer_is_the_residual_formula_over_its_sublayers(norm_first, jit_compile, training):
+    rng = np.random.default_rng(2)
+    x = tf.constant(rng.normal(size=SHAPE).astype("float32"))
+    upstream = rng.normal(size=SHAPE).astype("float32")
+    # No dropout, so the training path must give the formula's result too.
+    layer = _with_random_weights(EncoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first), rng, x)
+    residual = _residual_formula(norm_first)
+
+    def by_formula(x):
+        h = residual(x, lambda t: layer.self_attention(t, t), layer.self_attention_norm)
+        return residual(h, layer.feed_forward, layer.feed_forward_norm)
+
+    got = _outputs_and_gradients(layer, lambda x: layer(x, training=training), (x,), upstream, jit_compile)
+    expected = _outputs_and_gradients(layer, by_formula, (x,), upstream, jit_compile)
+    _assert_all_close(got, expected)
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decoder_layer_is_the_residual_formula_over_its_sublayers(norm_first, jit_compile, training):
+    rng = np.random.default_rng(3)
+    y = tf.constant(rng.normal(size=SHAPE).astype("float32"))
+    memory = tf.constant(rng.normal(size=(3, 7, 8)).astype("float32"))
+    upstream = rng.normal(size=SHAPE).astype("float32")
+    layer = _with_random_weights(DecoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first), rng, y, memory)
+    residual = _residual_formula(norm_first)
+
+    def by_formula(y, memory):
+        h = residual(y, lambda t: layer.self_attention(t, t, use_causal_mask=True), layer.self_attention_norm)
+        h = residual(h, lambda t: layer.cross_attention(t, memory), layer.cross_attention_norm)
+        return residual(h, layer.feed_forward, layer.feed_forward_norm)
+
+    inputs = (y, memory)
+    got = _outputs_and_gradients(layer, lambda y, m: layer(y, m, training=training), inputs, upstream, jit_compile)
+    expected = _outputs_and_gradients(layer, by_formula, inputs, upstream, jit_compile)
+    _assert_all_close(got, expected)
