@@ -5,7 +5,7 @@ Data flows one way: text -> `tokenizer` -> `data` (tf.data) -> `model` -> `decod
 """
 
 from keras_transformer.attention import MultiHeadAttention
-from keras_transformer.blocks import DecoderLayer, EncoderLayer, FeedForward
+from keras_transformer.blocks import DecoderLayer, EncoderLayer, FeedForward, LayerNormalization
 from keras_transformer.corpora import (
     CorpusError,
     DatasetUnavailableError,
@@ -34,6 +34,7 @@ __all__ = [
     "PositionalEncoding",
     "SharedEmbedding",
     "FeedForward",
+    "LayerNormalization",
     "EncoderLayer",
     "DecoderLayer",
     "Encoder",

@@ -13,7 +13,7 @@ memory once per layer, and `decode_step` feeds only the newest tokens.
 import keras
 from keras import ops
 
-from keras_transformer.blocks import DecoderLayer, EncoderLayer, check_model_dims, rowwise
+from keras_transformer.blocks import DecoderLayer, EncoderLayer, LayerNormalization, check_model_dims, rowwise
 from keras_transformer.dropout import Dropout
 from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding
 from keras_transformer.presets import get_preset
@@ -65,7 +65,7 @@ class _Stack(keras.layers.Layer):
             setattr(self, f"layer_{i}", block)
         self.final_norm = None
         if norm_first:
-            self.final_norm = keras.layers.LayerNormalization(
+            self.final_norm = LayerNormalization(
                 epsilon=layer_norm_epsilon, name="final_norm", dtype=self.dtype_policy
             )
 

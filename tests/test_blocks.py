@@ -1,12 +1,12 @@
-"""The blocks: the feed-forward network by its formula, `rowwise` against Keras's layer, and the
-residual wiring of the encoder and decoder layers against the paper's formulas."""
+"""The blocks: the feed-forward network by its formula, LayerNorm and `rowwise` against Keras's
+layer, and the residual wiring of the encoder and decoder layers against the paper's formulas."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_transformer.blocks import DecoderLayer, EncoderLayer, FeedForward, rowwise
+from keras_transformer.blocks import DecoderLayer, EncoderLayer, FeedForward, LayerNormalization, rowwise
 
 SHAPE = (3, 5, 8)
 
@@ -42,6 +42,67 @@ def test_rowwise_layer_norm_equals_keras_layer_norm_forward_and_backward(jit_com
     assert got[0].shape == SHAPE
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, atol=1e-5)
+
+
+def _norms_with_the_same_weights(rng, shape, **kwargs):
+    ours = LayerNormalization(**kwargs)
+    reference = keras.layers.LayerNormalization(**kwargs)
+    for layer in (ours, reference):
+        layer.build(shape)
+    weights = [rng.normal(size=w.shape).astype("float32") for w in reference.get_weights()]
+    ours.set_weights(weights)
+    reference.set_weights(weights)
+    return ours, reference
+
+
+def _gradients_through(layer, x, upstream, jit_compile):
+    @tf.function(jit_compile=jit_compile)
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * upstream)
+        return [y] + tape.gradient(loss, [x] + layer.trainable_weights)
+
+    return run()
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("shape", [(24, 8), SHAPE])
+def test_layer_norm_equals_keras_layer_norm_forward_and_backward(shape, jit_compile):
+    rng = np.random.default_rng(4)
+    x = tf.constant(rng.normal(loc=3.0, scale=2.0, size=shape).astype("float32"))
+    upstream = rng.normal(size=shape).astype("float32")
+    ours, reference = _norms_with_the_same_weights(rng, shape, epsilon=1e-6)
+    got = _gradients_through(ours, x, upstream, jit_compile)
+    expected = _gradients_through(reference, x, upstream, jit_compile)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_norm_under_mixed_precision_computes_in_float32_like_keras():
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=SHAPE).astype("float32"))
+    upstream = rng.normal(size=SHAPE).astype("float32")
+    ours, reference = _norms_with_the_same_weights(rng, SHAPE, dtype="mixed_bfloat16")
+    got = _gradients_through(ours, tf.cast(x, tf.bfloat16), upstream, jit_compile=False)
+    expected = _gradients_through(reference, tf.cast(x, tf.bfloat16), upstream, jit_compile=False)
+    assert got[0].dtype == expected[0].dtype == tf.bfloat16
+    assert [g.dtype for g in got] == [e.dtype for e in expected]
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(tf.cast(g, tf.float32), tf.cast(e, tf.float32), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kwargs", [{"axis": 1}, {"center": False}, {"scale": False}])
+def test_layer_norm_other_configurations_are_keras_layer_norm(kwargs):
+    rng = np.random.default_rng(6)
+    x = tf.constant(rng.normal(size=SHAPE).astype("float32"))
+    upstream = rng.normal(size=SHAPE).astype("float32")
+    ours, reference = _norms_with_the_same_weights(rng, SHAPE, **kwargs)
+    got = _gradients_through(ours, x, upstream, jit_compile=False)
+    expected = _gradients_through(reference, x, upstream, jit_compile=False)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
 
 def _residual_formula(norm_first):
