@@ -11,6 +11,20 @@ from keras_transformer.blocks import DecoderLayer, EncoderLayer, FeedForward, La
 SHAPE = (3, 5, 8)
 
 
+def _outputs_and_gradients(layer, apply, inputs, upstream, jit_compile):
+    """`apply(*inputs)` and the gradients of sum(output * upstream) for the inputs and `layer`'s weights."""
+
+    @tf.function(jit_compile=jit_compile)
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            y = apply(*inputs)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * upstream)
+        return [y] + tape.gradient(loss, list(inputs) + layer.trainable_weights)
+
+    return run()
+
+
 def test_feed_forward_is_the_paper_formula():
     x = np.random.default_rng(0).normal(size=SHAPE).astype("float32")
     layer = FeedForward(8, 32)
@@ -29,16 +43,8 @@ def test_rowwise_layer_norm_equals_keras_layer_norm_forward_and_backward(jit_com
     norm.build(SHAPE)
     norm.set_weights([rng.normal(size=w.shape).astype("float32") for w in norm.get_weights()])
 
-    @tf.function(jit_compile=jit_compile)
-    def outputs_and_gradients(apply):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = apply(x)
-            loss = tf.reduce_sum(y * upstream)
-        return [y] + tape.gradient(loss, [x] + norm.trainable_weights)
-
-    got = outputs_and_gradients(lambda t: rowwise(norm, t))
-    expected = outputs_and_gradients(norm)
+    got = _outputs_and_gradients(norm, lambda t: rowwise(norm, t), (x,), upstream, jit_compile)
+    expected = _outputs_and_gradients(norm, norm, (x,), upstream, jit_compile)
     assert got[0].shape == SHAPE
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, atol=1e-5)
@@ -55,18 +61,6 @@ def _norms_with_the_same_weights(rng, shape, **kwargs):
     return ours, reference
 
 
-def _gradients_through(layer, x, upstream, jit_compile):
-    @tf.function(jit_compile=jit_compile)
-    def run():
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x)
-            loss = tf.reduce_sum(tf.cast(y, tf.float32) * upstream)
-        return [y] + tape.gradient(loss, [x] + layer.trainable_weights)
-
-    return run()
-
-
 @pytest.mark.parametrize("jit_compile", [False, True])
 @pytest.mark.parametrize("shape", [(24, 8), SHAPE])
 def test_layer_norm_equals_keras_layer_norm_forward_and_backward(shape, jit_compile):
@@ -74,8 +68,8 @@ def test_layer_norm_equals_keras_layer_norm_forward_and_backward(shape, jit_comp
     x = tf.constant(rng.normal(loc=3.0, scale=2.0, size=shape).astype("float32"))
     upstream = rng.normal(size=shape).astype("float32")
     ours, reference = _norms_with_the_same_weights(rng, shape, epsilon=1e-6)
-    got = _gradients_through(ours, x, upstream, jit_compile)
-    expected = _gradients_through(reference, x, upstream, jit_compile)
+    got = _outputs_and_gradients(ours, ours, (x,), upstream, jit_compile)
+    expected = _outputs_and_gradients(reference, reference, (x,), upstream, jit_compile)
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
@@ -85,8 +79,8 @@ def test_layer_norm_under_mixed_precision_computes_in_float32_like_keras():
     x = tf.constant(rng.normal(size=SHAPE).astype("float32"))
     upstream = rng.normal(size=SHAPE).astype("float32")
     ours, reference = _norms_with_the_same_weights(rng, SHAPE, dtype="mixed_bfloat16")
-    got = _gradients_through(ours, tf.cast(x, tf.bfloat16), upstream, jit_compile=False)
-    expected = _gradients_through(reference, tf.cast(x, tf.bfloat16), upstream, jit_compile=False)
+    got = _outputs_and_gradients(ours, ours, (tf.cast(x, tf.bfloat16),), upstream, jit_compile=False)
+    expected = _outputs_and_gradients(reference, reference, (tf.cast(x, tf.bfloat16),), upstream, jit_compile=False)
     assert got[0].dtype == expected[0].dtype == tf.bfloat16
     assert [g.dtype for g in got] == [e.dtype for e in expected]
     for g, e in zip(got, expected, strict=True):
@@ -99,8 +93,8 @@ def test_layer_norm_other_configurations_are_keras_layer_norm(kwargs):
     x = tf.constant(rng.normal(size=SHAPE).astype("float32"))
     upstream = rng.normal(size=SHAPE).astype("float32")
     ours, reference = _norms_with_the_same_weights(rng, SHAPE, **kwargs)
-    got = _gradients_through(ours, x, upstream, jit_compile=False)
-    expected = _gradients_through(reference, x, upstream, jit_compile=False)
+    got = _outputs_and_gradients(ours, ours, (x,), upstream, jit_compile=False)
+    expected = _outputs_and_gradients(reference, reference, (x,), upstream, jit_compile=False)
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
@@ -124,18 +118,6 @@ def _assert_all_close(got, expected):
     # relative to each tensor's scale (XLA's fused gradients round differently).
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(e).max())))
-
-
-def _outputs_and_gradients(layer, apply, inputs, upstream, jit_compile):
-    @tf.function(jit_compile=jit_compile)
-    def run():
-        with tf.GradientTape() as tape:
-            tape.watch(inputs)
-            y = apply(*inputs)
-            loss = tf.reduce_sum(y * upstream)
-        return [y] + tape.gradient(loss, list(inputs) + layer.trainable_weights)
-
-    return run()
 
 
 @pytest.mark.parametrize("training", [False, True])
