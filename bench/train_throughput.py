@@ -70,6 +70,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from keras import ops  # noqa: E402
 
+from keras_transformer import distribution  # noqa: E402
 from keras_transformer.losses import label_smoothed_cross_entropy  # noqa: E402
 from keras_transformer.model import Transformer  # noqa: E402
 from keras_transformer.presets import get_preset  # noqa: E402
@@ -238,9 +239,7 @@ def synthetic_batch(batch: int, src_len: int, tgt_len: int, vocab_size: int, see
 
 def single_device_strategy():
     """One device (the first GPU, else the CPU): the figures are per device."""
-    from keras_transformer.distribution import make_strategy
-
-    return make_strategy(["GPU:0"] if common.has_gpu() else ["CPU:0"])
+    return distribution.make_strategy(["GPU:0"] if common.has_gpu() else ["CPU:0"])
 
 
 def _build_under_policy(impl, preset, vocab_size, precision, build=True):
@@ -297,6 +296,8 @@ class Runner:
             self._loss = lambda out: float(out["loss_sum"]) / max(float(out["tokens"]), 1.0)
         else:
             keras.utils.set_random_seed(0)
+            if precision == "mixed_float16":
+                distribution.prepare_for_float16(strategy)
             with strategy.scope():
                 self.model = _build_under_policy(impl, preset, vocab_size, precision)
                 self.optimizer = make_optimizer_compat(get_preset(preset)["d_model"])
@@ -418,7 +419,7 @@ def parse_args():
         nargs="+",
         default=None,
         help="float32 and/or mixed_bfloat16 (default: both where the device has native bf16) "
-        "or mixed_float16",
+        "and/or mixed_float16 (run last: on a CPU it turns off Grappler's MatMul+BiasAdd fusion)",
     )
     parser.add_argument("--jit", nargs="+", choices=["off", "on"], default=["off", "on"])
     parser.add_argument(
@@ -467,12 +468,10 @@ def main():
         flush=True,
     )
     results = []
-    for preset in args.presets:
-        for precision in precisions:
-            for jit in args.jit:
-                results += run_group(preset, precision, jit == "on", args.impls, args, peaks, strategy)
-                payload.update({"load": common.finish_load(dict(load)), "peak_matmul": peaks, "results": results})
-                common.write_json(args.output_name, payload)  # partial results survive an interruption
+    for preset, precision, jit in configurations(args.presets, precisions, args.jit):
+        results += run_group(preset, precision, jit == "on", args.impls, args, peaks, strategy)
+        payload.update({"load": common.finish_load(dict(load)), "peak_matmul": peaks, "results": results})
+        common.write_json(args.output_name, payload)  # partial results survive an interruption
     # Peaks again at the end: a drift between the two says the machine's speed changed.
     peaks_end = common.peak_matmul_flops("float32", args.peak_n)
     payload["peak_matmul_float32_end"] = peaks_end
@@ -481,6 +480,17 @@ def main():
     common.write_json(args.output_name, payload)
     for key, value in payload["ratios_ours_over_peer"].items():
         print(f"[train] ours/peer {key}: {value:.2f}x", flush=True)
+
+
+def configurations(presets, precisions, jits):
+    """(preset, precision, jit) in the order of the arguments, but float16 last.
+
+    On a CPU a float16 step turns Grappler's remapper off for the whole process
+    (`keras_transformer.distribution.prepare_for_float16`), so float16 runs after every
+    other precision, whose steps keep their fusions.
+    """
+    groups = [(preset, precision, jit) for preset in presets for precision in precisions for jit in jits]
+    return sorted(groups, key=lambda group: group[1] == "mixed_float16")  # stable: order kept otherwise
 
 
 def ratios(results):

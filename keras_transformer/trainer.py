@@ -178,6 +178,8 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.validate_fn = validate_fn
         self.is_chief = distribution.is_chief(strategy)
+        if config.mixed_precision == "fp16":
+            distribution.prepare_for_float16(strategy)
         with strategy.scope():
             self.model = model_fn(DTYPE_POLICIES[config.mixed_precision])
             if not self.model.built:

@@ -174,6 +174,46 @@ def test_interrupted_run_resumes_where_it_stopped(tmp_path, multi30k_dir, multi3
     assert run_dir.checkpoint_step(tf.train.latest_checkpoint(str(tmp_path / "interrupted" / "checkpoints"))) == 6
 
 
+@pytest.fixture
+def grappler_remapping():
+    """Restores Grappler's process-wide remapper setting after the test."""
+    before = tf.config.optimizer.get_experimental_options().get("remapping", True)
+    yield
+    tf.config.optimizer.set_experimental_options({"remapping": before})
+
+
+def _synthetic_pairs_dataset(input_context):
+    """Random token ids as one epoch of four `((source, decoder_inputs), labels)` batches."""
+    ids = tf.random.stateless_uniform([4, 8, 10], seed=(1, 2), minval=4, maxval=50, dtype=tf.int32)
+    return tf.data.Dataset.from_tensor_slices(((ids[:, :, :9], ids[:, :, :9]), ids[:, :, 1:]))
+
+
+@pytest.mark.parametrize("mixed_precision, fused", [("fp16", False), ("bf16", True), ("none", True)])
+def test_float16_on_a_cpu_trains_without_the_matmul_bias_fusion(tmp_path, grappler_remapping, caplog, mixed_precision, fused):
+    """fp16 on CPUs turns Grappler's remapper off (TF 2.21 fuses float16 MatMul+BiasAdd into a
+    reference kernel, ~1000x slower), with a warning, and trains; other precisions keep it."""
+    tf.config.optimizer.set_experimental_options({"remapping": True})
+    config = TrainingConfig(train_steps=2, warmup_steps=20, log_every=1, mixed_precision=mixed_precision)
+    with caplog.at_level("WARNING", logger="keras_transformer.distribution"):
+        trainer = Trainer(
+            distribution.make_strategy(["CPU:0"]),
+            lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+            tmp_path / "run",
+            config,
+        )
+    assert tf.config.optimizer.get_experimental_options()["remapping"] is fused
+    assert ("MatMul+BiasAdd fusion is turned off" in caplog.text) is not fused
+    assert trainer.fit(_synthetic_pairs_dataset).step == 2
+    losses = _training_losses(tmp_path / "run")
+    assert sorted(losses) == [1, 2] and all(np.isfinite(list(losses.values())))
+
+
+def test_only_cpu_strategies_count_as_cpu_only():
+    assert distribution.runs_on_cpus_only(distribution.make_strategy(["CPU:0"]))
+    assert not distribution.runs_on_cpus_only(tf.distribute.OneDeviceStrategy("/gpu:0"))
+    assert not distribution.runs_on_cpus_only(tf.distribute.MirroredStrategy(["/gpu:0", "/cpu:0"]))
+
+
 def test_averaging_the_last_checkpoints(tmp_path):
     """`average_checkpoints` writes the mean of the kept checkpoints' weights."""
     model = Transformer.from_preset("tiny", vocab_size=50)
