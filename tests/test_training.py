@@ -183,13 +183,15 @@ def grappler_remapping():
 
 
 def _synthetic_pairs_dataset(input_context):
-    """Random token ids as one epoch of four `((source, decoder_inputs), labels)` batches."""
+    """One epoch of four `((source, decoder_inputs), labels)` batches of a copy task on random ids."""
     ids = tf.random.stateless_uniform([4, 8, 10], seed=(1, 2), minval=4, maxval=50, dtype=tf.int32)
     return tf.data.Dataset.from_tensor_slices(((ids[:, :, :9], ids[:, :, :9]), ids[:, :, 1:]))
 
 
 @pytest.mark.parametrize("mixed_precision, fused", [("fp16", False), ("bf16", True), ("none", True)])
-def test_float16_on_a_cpu_trains_without_the_matmul_bias_fusion(tmp_path, grappler_remapping, caplog, mixed_precision, fused):
+def test_float16_on_a_cpu_trains_without_the_matmul_bias_fusion(
+    tmp_path, grappler_remapping, caplog, mixed_precision, fused
+):
     """fp16 on CPUs turns Grappler's remapper off (TF 2.21 fuses float16 MatMul+BiasAdd into a
     reference kernel, ~1000x slower), with a warning, and trains; other precisions keep it."""
     tf.config.optimizer.set_experimental_options({"remapping": True})
