@@ -24,12 +24,17 @@ import keras
 from keras import ops
 
 from keras_transformer.dropout import Dropout
-from keras_transformer.masks import MASKED_LOGIT, causal_mask, check_attention_mask
+from keras_transformer.masks import MASKED_LOGIT, causal_mask, check_attention_mask, written_mask
 
 
 def _joined(tensors, axis):
     """`tensors` concatenated along `axis` (a single tensor as it is)."""
     return tensors[0] if len(tensors) == 1 else ops.concatenate(tensors, axis=axis)
+
+
+def spec_like(structure):
+    """`KerasTensor`s of the shapes and dtypes of a nest of tensors (a cache)."""
+    return keras.tree.map_structure(lambda x: keras.KerasTensor(x.shape, dtype=x.dtype), structure)
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -67,8 +72,8 @@ class MultiHeadAttention(keras.layers.Layer):
             and `"value"` `[batch, num_heads, max_length, value_dim]` (see
             `empty_cache` and `project_key_value`). With
             `cache_index`, the keys and values of `value`/`key` are written into
-            the cache at `cache_index` and attention runs over the whole cache
-            (self-attention while decoding). Without `cache_index`, the cached
+            the cache at `cache_index` and attention runs over the cache's positions
+            up to the newest token (self-attention while decoding). Without `cache_index`, the cached
             keys and values are used as they are and `value`/`key` are ignored
             (encoder-decoder attention, whose memory is fixed; see
             `project_key_value`).
@@ -252,15 +257,25 @@ class MultiHeadAttention(keras.layers.Layer):
 
         Returns:
             Dict with `"key"` `[batch, num_heads, source_length, key_dim]` and
-            `"value"` `[batch, num_heads, source_length, value_dim]`.
+            `"value"` `[batch, num_heads, source_length, value_dim]`, in the layer's
+            compute dtype.
         """
+        # Called outside `__call__` (by `init_cache`), where Keras does not cast the
+        # weights to the compute dtype: cast here, or a mixed-precision cache would be
+        # float32 and every decoding step would attend in float32.
+        dtype = self.compute_dtype
+
+        def cast(weight):
+            return None if weight is None else ops.cast(weight, dtype)
+
+        value = ops.cast(value, dtype)
+        key_kernel, value_kernel = cast(self.key_kernel), cast(self.value_kernel)
+        key_bias, value_bias = cast(self.key_bias), cast(self.value_bias)
         if key is None:  # one memory: keys and values in one matmul
-            keys, values = self._project_many(
-                value, [self.key_kernel, self.value_kernel], [self.key_bias, self.value_bias]
-            )
+            keys, values = self._project_many(value, [key_kernel, value_kernel], [key_bias, value_bias])
         else:
-            keys = self._project(key, self.key_kernel, self.key_bias)
-            values = self._project(value, self.value_kernel, self.value_bias)
+            keys = self._project(ops.cast(key, dtype), key_kernel, key_bias)
+            values = self._project(value, value_kernel, value_bias)
         return {"key": keys, "value": values}
 
     def call(
@@ -306,10 +321,17 @@ class MultiHeadAttention(keras.layers.Layer):
                 cache = {"key": key_heads, "value": value_heads}
 
         mask = attention_mask
+        visible = None
+        query_length, key_length = ops.shape(query)[1], ops.shape(key_heads)[2]
         if use_causal_mask:
             query_offset = 0 if cache_index is None else cache_index
-            causal = causal_mask(ops.shape(query)[1], ops.shape(key_heads)[2], query_offset)
-            mask = causal if mask is None else ops.logical_and(ops.cast(mask, "bool"), causal)
+            visible = causal_mask(query_length, key_length, query_offset)
+        elif cache_index is not None:
+            # The buffer's slots after the newest token hold no key yet (the causal
+            # mask hides them too).
+            visible = written_mask(key_length, cache_index + query_length)
+        if visible is not None:
+            mask = visible if mask is None else ops.logical_and(ops.cast(mask, "bool"), visible)
 
         output, scores = self._attend(query_heads, key_heads, value_heads, mask, training)
         outputs = (output,)
@@ -362,6 +384,23 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
         return tuple(query_shape[:-1]) + (self.output_dim or query_shape[-1],)
+
+    def compute_output_spec(
+        self, query, value=None, key=None, return_attention_scores=False, cache=None, **kwargs
+    ):
+        """What `call` returns, as `KerasTensor`s (Keras functional models): the output,
+        then the scores and the cache if `call` returns them."""
+        outputs = (keras.KerasTensor(self.compute_output_shape(query.shape), dtype=self.compute_dtype),)
+        if return_attention_scores:
+            if cache is not None:
+                key_length = cache["key"].shape[2]
+            else:
+                key_length = (key if key is not None else value).shape[1]
+            scores_shape = (query.shape[0], self.num_heads, query.shape[1], key_length)
+            outputs += (keras.KerasTensor(scores_shape, dtype="float32"),)
+        if cache is not None:
+            outputs += (spec_like(cache),)
+        return outputs[0] if len(outputs) == 1 else outputs
 
     def get_config(self):
         config = super().get_config()

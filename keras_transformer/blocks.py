@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from keras_transformer.attention import MultiHeadAttention
+from keras_transformer.attention import MultiHeadAttention, spec_like
 from keras_transformer.dropout import Dropout
 
 
@@ -289,6 +289,13 @@ class EncoderLayer(_ResidualBlock):
         x = self._residual(x, self.feed_forward, self.feed_forward_norm, self.feed_forward_dropout, training)
         return (x, scores) if return_attention_scores else x
 
+    def compute_output_spec(self, inputs, return_attention_scores=False, **kwargs):
+        output = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
+        if not return_attention_scores:
+            return output
+        _, scores = self.self_attention.compute_output_spec(inputs, inputs, return_attention_scores=True)
+        return output, scores
+
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class DecoderLayer(_ResidualBlock):
@@ -393,4 +400,23 @@ class DecoderLayer(_ResidualBlock):
         if cache is not None:
             new_cache["cross"] = cache["cross"]
             outputs += (new_cache,)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def compute_output_spec(
+        self, inputs, encoder_outputs=None, *args, cache=None, return_attention_scores=False, **kwargs
+    ):
+        outputs = (keras.KerasTensor(inputs.shape, dtype=self.compute_dtype),)
+        if return_attention_scores:
+            self_scores = self.self_attention.compute_output_spec(
+                inputs, inputs, return_attention_scores=True, cache=None if cache is None else cache["self"]
+            )[1]
+            cross_scores = self.cross_attention.compute_output_spec(
+                inputs,
+                encoder_outputs,
+                return_attention_scores=True,
+                cache=None if cache is None else cache["cross"],
+            )[1]
+            outputs += ((self_scores, cross_scores),)
+        if cache is not None:
+            outputs += (spec_like(cache),)
         return outputs[0] if len(outputs) == 1 else outputs

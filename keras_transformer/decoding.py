@@ -33,7 +33,7 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
   loops, one per cache size (16, 32, 64 positions, then the whole buffer), and grows
   the cache between them, so that the per-step reorder and attention work on a buffer
   close to the output's length. The uncached path recomputes the growing prefix every
-  step and needs dynamic shapes, so it does not compile with XLA.
+  step (a reference for tests and benchmarks, not for use).
 
 `beam_search` is the thin wrapper for `keras_transformer.Transformer`: it runs the
 encoder once, projects the encoder memory once per decoder layer (`init_cache`), tiles
@@ -142,6 +142,7 @@ def search(
     row_max_lengths=None,
     n_best=None,
     pad_id: int = PAD_ID,
+    never_emit_ids=(),
     cache_lengths=None,
     extend_cache_fn=None,
 ) -> Hypotheses:
@@ -170,6 +171,10 @@ def search(
         n_best: Hypotheses to return per row (`<= beam_size`), int or int32 scalar;
             `None` returns the best one without the `n_best` axis.
         pad_id: Id written after the end of each sequence.
+        never_emit_ids: Ids that are never generated (for a translation model: padding
+            and the start token, which get a little probability mass from label
+            smoothing). Their log-probs are set to `NEG_INF` after the log-softmax, so
+            the other tokens keep the model's log-probs (fairseq does the same).
         cache_lengths: For a cache with a time axis that grows with the output:
             its increasing lengths (ints or int32 scalars, at most
             `max_decode_length`), after which it grows to `max_decode_length`.
@@ -198,6 +203,9 @@ def search(
         )
         log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
         vocab_size = tf.shape(log_probs)[-1]
+        if never_emit_ids:
+            never_emit = tf.reduce_any(tf.equal(tf.range(vocab_size)[:, None], list(never_emit_ids)), axis=1)
+            log_probs = tf.where(never_emit, NEG_INF, log_probs)
         log_probs = tf.reshape(log_probs, [batch_size, -1, vocab_size])  # [batch, beam, vocab]
         # The best candidates overall are among each beam's best: a top-k per beam
         # over the vocabulary, then one over beam * num_candidates (not one over
@@ -401,8 +409,8 @@ def beam_search(
 
     Greedy decoding is `beam_size=1`. Called eagerly, the search runs as a
     `tf.function` traced once per model and option set (kept while the model lives;
-    options must then be Python values); inside a `tf.function` it adds its ops to
-    the caller's graph.
+    scalar tensor options are read as Python values); inside a `tf.function` it adds
+    its ops to the caller's graph.
 
     Args:
         model: A `keras_transformer.Transformer` (any dtype policy).
@@ -423,8 +431,8 @@ def beam_search(
             with `Transformer.decode` every step (same results, for comparison).
         eos_id: End-of-sequence id (benchmarks pass an id the model never emits to
             decode a fixed number of steps).
-        jit_compile: When called eagerly, compile the search with XLA (cached
-            decoding with an int `beam_size` only; compiled once per input shape).
+        jit_compile: When called eagerly, compile the search with XLA (with an int
+            `beam_size`; compiled once per input shape).
         output_kernel: Optional `model.embedding.transposed_embeddings()` made ahead,
             `[d_model, vocab_size]`, for the cached search. Without it each search
             transposes the embedding matrix once; a model whose weights no longer
@@ -432,7 +440,8 @@ def beam_search(
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`: with `n_best=None`, `tokens` int32
-        `[batch, length]` (no start token; EOS, then `PAD_ID` after it), `lengths`
+        `[batch, length]` (no start token, never padding or the start token before EOS;
+        EOS, then `model.pad_id` after it), `lengths`
         int32 `[batch]` (EOS included) and `scores` float32 `[batch]`, the summed
         log-probability divided by `((5 + lengths) / 6) ** alpha`. With `n_best`, each
         gets an `n_best` axis after the batch axis, best first. Pass `tokens` to
@@ -450,6 +459,7 @@ def beam_search(
     if output_kernel is not None:
         _check_output_kernel(model, output_kernel)
     if tf.executing_eagerly():
+        options = {name: _python_option(name, value) for name, value in options.items()}
         search_fn = _traced_search(model, jit_compile, output_kernel is not None, **options)
         args = [tf.cast(source_ids, tf.int32)]
         if output_kernel is not None:
@@ -532,6 +542,7 @@ def _search_transformer(
         row_max_lengths=row_max_lengths,
         n_best=n_best,
         pad_id=model.pad_id,
+        never_emit_ids=(model.pad_id, BOS_ID),
         cache_lengths=cache_lengths,
         extend_cache_fn=extend_cache_fn,
     )
@@ -551,6 +562,15 @@ def _check_output_kernel(model, output_kernel):
             f"output_kernel must be the transposed embeddings, shape {expected}; "
             f"got shape {tuple(output_kernel.shape)}."
         )
+
+
+def _python_option(name, value):
+    """`value` as a Python value (the traced searches are keyed by their options)."""
+    if not isinstance(value, tf.Tensor):
+        return value
+    if value.shape.rank != 0:
+        raise ValueError(f"beam_search option {name} must be a scalar, got shape {tuple(value.shape)}.")
+    return value.numpy().item()
 
 
 # model -> {(jit_compile, with_output_kernel, options): tf.function}; entries go

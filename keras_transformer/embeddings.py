@@ -74,6 +74,14 @@ class PositionalEncoding(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, start_index=0):
+        length = inputs.shape[1]
+        if self.learned and isinstance(start_index, int) and length is not None:
+            if start_index + length > self.max_length:
+                # A gather past the table fails on CPUs but clamps silently on GPUs and in XLA.
+                raise ValueError(
+                    f"Positions {start_index}..{start_index + length - 1} exceed the learned positional "
+                    f"encodings' max_length ({self.max_length})."
+                )
         positions = ops.arange(ops.shape(inputs)[1]) + start_index
         if self.learned:
             encoding = ops.take(self.position_embeddings, positions, axis=0)

@@ -37,6 +37,14 @@ def causal_mask(query_length, key_length, query_offset=0):
     return ops.expand_dims(mask, 0)
 
 
+def written_mask(key_length, written_length):
+    """`[1, 1, key_length]` mask letting every query see the first `written_length` keys only.
+
+    For a decoding cache, whose buffer is longer than what has been written into it.
+    """
+    return ops.reshape(ops.arange(key_length) < written_length, (1, 1, -1))
+
+
 def check_attention_mask(mask):
     """Raises a clear error for a mask whose rank attention cannot broadcast."""
     if mask is None:

@@ -188,6 +188,12 @@ class Decoder(_Stack):
         return x if cache is None else (x, new_cache)
 
 
+def _describe(inputs):
+    if isinstance(inputs, (tuple, list)):
+        return f"a {type(inputs).__name__} of {len(inputs)}"
+    return f"a {type(inputs).__name__}"
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class Transformer(keras.Model):
     """The encoder-decoder Transformer with a shared, tied embedding.
@@ -329,7 +335,7 @@ class Transformer(keras.Model):
         if not isinstance(inputs, (tuple, list)) or len(inputs) != 2:
             raise ValueError(
                 "Transformer expects inputs (source_ids, decoder_input_ids), two int tensors "
-                f"[batch, length]; got {type(inputs).__name__}."
+                f"[batch, length]; got {_describe(inputs)}."
             )
         source_ids, decoder_input_ids = inputs
         for name, ids in (("source_ids", source_ids), ("decoder_input_ids", decoder_input_ids)):

@@ -97,6 +97,11 @@ class Translator(tf.Module):
             raise ValueError(
                 f"max_input_length must leave room for a token and EOS, got {max_input_length}."
             )
+        if model.pad_id != PAD_ID:
+            raise ValueError(
+                f"Translator pads with the tokenizer's padding id {PAD_ID}, but the model's pad_id "
+                f"is {model.pad_id}."
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.beam_size = beam_size

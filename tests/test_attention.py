@@ -121,6 +121,33 @@ def test_fixed_memory_cache_equals_projecting_the_memory():
     np.testing.assert_allclose(out, ours(query, value), atol=1e-6)
 
 
+def test_cache_without_the_causal_mask_attends_to_every_written_key_and_no_empty_slot():
+    ours, _, query, _ = copied_pair(seed=6)
+    written = 3
+    # Non-causal attention among the first 3 positions, then the same block written
+    # into a longer (8-slot) cache at once: the 5 empty slots must not take weight.
+    full = ours(query[:, :written], query[:, :written])
+    cache = ours.empty_cache(2, 8)
+    block = query[:, :written]
+    out, scores, _ = ours(block, block, cache=cache, cache_index=0, return_attention_scores=True)
+    np.testing.assert_allclose(out, full, atol=1e-5)
+    assert np.all(np.asarray(scores)[..., written:] == 0.0)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_projected_memory_is_in_the_compute_dtype_and_gives_the_uncached_output(policy):
+    rng = np.random.default_rng(7)
+    query = rng.normal(size=(2, 5, D_MODEL)).astype("float32")
+    value = rng.normal(size=(2, 7, D_MODEL)).astype("float32")
+    layer = MultiHeadAttention(HEADS, dtype=policy)
+    uncached = layer(query, value)
+    memory = layer.project_key_value(value)
+    assert memory["key"].dtype == memory["value"].dtype == layer.compute_dtype
+    cached, _ = layer(query, None, cache=memory)
+    assert cached.dtype == uncached.dtype == layer.compute_dtype
+    np.testing.assert_array_equal(np.asarray(cached, "float32"), np.asarray(uncached, "float32"))
+
+
 def test_causal_mask_formula():
     mask = np.asarray(causal_mask(3, 5, query_offset=2))[0]
     expected = np.array([[j <= i + 2 for j in range(5)] for i in range(3)])

@@ -160,3 +160,32 @@ def test_decoder_layer_is_the_residual_formula_over_its_sublayers(norm_first, ji
     got = _outputs_and_gradients(layer, lambda y, m: layer(y, m, training=training), inputs, upstream, jit_compile)
     expected = _outputs_and_gradients(layer, by_formula, inputs, upstream, jit_compile)
     _assert_all_close(got, expected)
+
+
+def test_attention_scores_are_outputs_of_keras_functional_models():
+    from keras_transformer import MultiHeadAttention
+
+    rng = np.random.default_rng(9)
+    target = rng.normal(size=(2, 5, 8)).astype("float32")
+    source = rng.normal(size=(2, 7, 8)).astype("float32")
+    attention, encoder, decoder = MultiHeadAttention(2), EncoderLayer(8, 2, 16), DecoderLayer(8, 2, 16)
+    x, memory = keras.Input((None, 8)), keras.Input((7, 8))
+    symbolic = [
+        attention(x, memory, return_attention_scores=True),
+        encoder(x, return_attention_scores=True),
+        decoder(x, memory, return_attention_scores=True),
+    ]
+    model = keras.Model([x, memory], keras.tree.flatten(symbolic))
+    functional = model([target, source])
+    eager = keras.tree.flatten(
+        [
+            attention(target, source, return_attention_scores=True),
+            encoder(target, return_attention_scores=True),
+            decoder(target, source, return_attention_scores=True),
+        ]
+    )
+    assert len(functional) == len(eager) == 7  # output and scores; output and scores; output and 2 scores
+    for got, expected, spec in zip(functional, eager, keras.tree.flatten(symbolic), strict=True):
+        assert spec.dtype == expected.dtype
+        assert all(s is None or s == e for s, e in zip(spec.shape, expected.shape, strict=True))
+        np.testing.assert_allclose(got, expected, atol=1e-6)

@@ -109,6 +109,7 @@ def run_search(
     jit_compile=False,
     row_max_lengths=None,
     cache_lengths=None,
+    never_emit_ids=(),
 ):
     """`decoding.search` over `tables`; with `cache_lengths`, the history scorer's growing cache."""
     rows = len(tables)
@@ -134,6 +135,7 @@ def run_search(
             alpha=alpha,
             row_max_lengths=tf.constant(row_max_lengths, tf.int32),
             n_best=n_best,
+            never_emit_ids=never_emit_ids,
             **growth,
         )
 
@@ -150,15 +152,18 @@ def penalty(length, alpha):
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def all_hypotheses(table, max_length, alpha):
-    """Every output of a row as `(score, tokens)`, best first: ending in EOS or at `max_length`."""
+def all_hypotheses(table, max_length, alpha, never_emit=()):
+    """Every output of a row as `(score, tokens)`, best first: ending in EOS or at `max_length`.
+
+    Tokens in `never_emit` are skipped; the others keep their log-probs over the whole vocabulary.
+    """
     hypotheses = []
 
     def extend(prefix, prefix_hash, log_prob):
         newest = prefix[-1] if prefix else START
         prefix_hash = next_hash(prefix_hash, newest)
         log_probs = log_softmax(table[len(prefix), prefix_hash])
-        for token in range(VOCAB):
+        for token in sorted(set(range(VOCAB)) - set(never_emit)):
             tokens, total = prefix + [token], log_prob + log_probs[token]
             if token == EOS or len(tokens) == max_length:
                 hypotheses.append((total / penalty(len(tokens), alpha), tokens))
@@ -225,6 +230,19 @@ def test_a_cache_grown_in_segments_gives_the_exact_n_best_of_brute_force(cache_l
             np.testing.assert_allclose(
                 [s for s, _ in found], [s for s, _ in expected], rtol=1e-5, atol=1e-5
             )
+
+
+def test_never_emitted_ids_are_left_out_of_the_exact_n_best_with_unchanged_scores():
+    tables = make_tables(seed=6)
+    never_emit = (START, 3)
+    result = run_search(tables, EXACT_BEAM, 0.6, n_best=10, never_emit_ids=never_emit)
+    for row, max_length in enumerate(ROW_MAX_LENGTHS):
+        expected = all_hypotheses(tables[row], max_length, 0.6, never_emit)[:10]
+        found = as_hypotheses(result, row)[: len(expected)]
+        assert [tokens for _, tokens in found] == [tokens for _, tokens in expected], row
+        np.testing.assert_allclose([s for s, _ in found], [s for s, _ in expected], rtol=1e-5, atol=1e-5)
+        # Without the exclusion the best outputs of this table do use those ids.
+        assert any(set(tokens) & set(never_emit) for _, tokens in all_hypotheses(tables[row], max_length, 0.6)[:10])
 
 
 def test_a_cache_that_does_not_grow_is_too_short_for_the_history_scorer():
@@ -506,6 +524,16 @@ def test_a_translator_of_an_unbuilt_model_is_rejected():
         Translator(unbuilt, tokenizer=None)
 
 
+def test_a_translator_of_a_model_with_another_padding_id_is_rejected():
+    from keras_transformer import Transformer
+    from keras_transformer.translator import Translator
+
+    model = Transformer(vocab_size=100, num_layers=1, d_model=16, num_heads=2, d_ff=32, pad_id=5)
+    model.build()
+    with pytest.raises(ValueError, match="model's pad_id is 5"):
+        Translator(model, tokenizer=None)
+
+
 def test_an_output_kernel_of_the_wrong_shape_is_rejected(trained_model, source_ids):
     wrong = trained_model.embedding.embeddings  # [vocab, d_model], not transposed
     with pytest.raises(ValueError, match="output_kernel must be the transposed embeddings"):
@@ -524,6 +552,34 @@ def test_mixed_precision_models_decode_with_float32_scores(
     assert np.isfinite(hypotheses.scores).all() and (hypotheses.lengths > 0).all()
     expected = teacher_forced_scores(model, source_ids[:4], hypotheses, alpha=0.6)
     np.testing.assert_allclose(hypotheses.scores, expected, rtol=0.05, atol=0.05)
+
+
+def test_padding_and_the_start_token_are_never_generated():
+    from keras_transformer import Transformer
+
+    model = Transformer.from_preset("tiny", vocab_size=30)
+    model.build()
+    # Long embeddings make the tied output projection favour padding and the start token.
+    embeddings = model.embedding.embeddings.numpy()
+    embeddings[[PAD_ID, BOS_ID]] *= 50.0
+    model.embedding.embeddings.assign(embeddings)
+    source = np.array([[7, 8, 9, EOS_ID], [10, 11, EOS_ID, PAD_ID]], "int32")
+    first_logits = np.asarray(model((source, np.full((2, 1), BOS_ID, "int32"))))[:, 0]
+    assert set(first_logits.argmax(-1)) <= {PAD_ID, BOS_ID}  # what an unconstrained search would pick
+    for options in (dict(beam_size=4, n_best=4), dict(beam_size=1, n_best=1), dict(use_cache=False, n_best=4)):
+        hypotheses = decode(model, source, **options)
+        for row in range(len(source)):
+            for tokens, length in zip(hypotheses.tokens[row], hypotheses.lengths[row], strict=True):
+                assert length > 0 and not set(tokens[:length]) & {PAD_ID, BOS_ID}, options
+
+
+def test_eager_tensor_options_act_as_their_values(trained_model, source_ids):
+    expected = decode(trained_model, source_ids[:2], beam_size=2, max_length=5)
+    found = decode(trained_model, source_ids[:2], beam_size=tf.constant(2), max_length=tf.constant(5))
+    for name in ("tokens", "lengths", "scores"):
+        np.testing.assert_array_equal(getattr(found, name), getattr(expected, name))
+    with pytest.raises(ValueError, match="max_length must be a scalar"):
+        decoding.beam_search(trained_model, source_ids[:2], max_length=tf.constant([5, 6]))
 
 
 def test_learned_positions_cap_the_output_length():

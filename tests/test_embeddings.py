@@ -67,6 +67,13 @@ def test_learned_positions_are_weights_indexed_by_position():
     np.testing.assert_allclose(out, np.asarray(layer.position_embeddings)[3:8], atol=1e-6)
 
 
+def test_positions_past_the_learned_table_are_a_clear_error():
+    layer = PositionalEncoding(learned=True, max_length=6)
+    encode(layer, 6, 8)  # exactly the table
+    with pytest.raises(ValueError, match="Positions 3..6 exceed .* max_length \\(6\\)"):
+        encode(layer, 4, 8, start=3)
+
+
 def test_shared_embedding_scales_lookups_and_ties_the_projection():
     layer = SharedEmbedding(vocab_size=11, d_model=4)
     ids = np.array([[1, 5, 10]])

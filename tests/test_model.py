@@ -146,5 +146,7 @@ def test_bad_inputs_get_clear_errors(tiny_model):
         tiny_model((np.zeros((2, 3, 1), "int32"), np.zeros((2, 3), "int32")))
     with pytest.raises(ValueError, match="expects inputs \\(source_ids, decoder_input_ids\\)"):
         tiny_model(np.zeros((2, 3), "int32"))
+    with pytest.raises(ValueError, match="got a tuple of 3"):
+        tiny_model((np.zeros((2, 3), "int32"),) * 3)
     with pytest.raises(ValueError, match="d_model=16"):
         EncoderLayer(16, 4, 32)(np.zeros((1, 3, 8), "float32"))
