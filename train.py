@@ -93,12 +93,13 @@ _CONFIG_LOCATIONS = {
     "dropout": ("model", "dropout_rate"),
 }
 # Settings saved in config.json; the others (paths, devices, --average-only) are per command.
+# "replicas" is no flag: it is the number of replicas the run trains on (see `check_replicas`).
 SAVED = (
     "preset", "dataset", "source_lang", "target_lang", "vocab_size", "max_length", "long_sentences",
     "token_budget", "seed", "dropout", "warmup_steps", "learning_rate_scale", "label_smoothing", "mixed_precision",
     "jit_compile",
     "train_steps", "epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
-    "average_last", "bleu_sentences", "beam_size", "alpha",
+    "average_last", "bleu_sentences", "beam_size", "alpha", "replicas",
 )
 
 
@@ -117,6 +118,13 @@ def non_negative_int(text):
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
+    return value
+
+
+def seed(text):
+    value = int(text)
+    if not 0 <= value < 2**32:  # NumPy's seeds, which Keras seeds, are 32-bit unsigned.
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {2**32 - 1}, got {text}")
     return value
 
 
@@ -139,6 +147,11 @@ def probability(text):
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
+
+
+def _recipe_values(name):
+    """'tiny 100, small 800, ...': the default of setting `name` per preset, for help texts."""
+    return ", ".join(f"{preset} {RECIPES[preset][name]:g}" for preset in PRESET_NAMES)
 
 
 def build_parser():
@@ -198,12 +211,12 @@ def build_parser():
                           "times the number of replicas). [4096; the paper's 25k = 8 GPUs x ~3k real]")
     how.add_argument("--warmup-steps", type=positive_int, default=None,
                      help="Linear warm-up steps of the learning rate, then inverse square-root decay. "
-                          "[paper: 4000]")
+                          f"[the preset's: {_recipe_values('warmup_steps')}] The paper: 4000.")
     how.add_argument("--learning-rate-scale", type=positive_float, default=None,
                      help="Multiplier of the paper's rate d_model^-0.5 * min(step^-0.5, step * warmup^-1.5). "
-                          "[paper: 1]")
+                          f"[the preset's: {_recipe_values('learning_rate_scale')}] The paper: 1.")
     how.add_argument("--label-smoothing", type=probability, default=None, help="Label smoothing eps. [0.1]")
-    how.add_argument("--seed", type=int, default=None, help="Seed of weights, dropout and data order. [0]")
+    how.add_argument("--seed", type=seed, default=None, help="Seed of weights, dropout and data order. [0]")
     how.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default=None,
                      help="Compute in bfloat16 or float16 with float32 weights (fp16 adds loss scaling). "
                           "[none]")
@@ -231,8 +244,8 @@ def build_parser():
                      help="Average the last N checkpoints into RUN/averaged for the final evaluation "
                           "(paper: 5 for base, 20 for big), kept only if its validation BLEU is at least "
                           "the last checkpoint's (kept unchecked when there is no validation BLEU: "
-                          "--bleu-sentences 0). 0: use the last checkpoint. [small: 0, medium/base: 5, "
-                          "big: 20]")
+                          "--bleu-sentences 0). At most --keep-checkpoints. 0: use the last checkpoint. "
+                          "[small: 0, medium/base: 5, big: 20]")
     run.add_argument("--average-only", action="store_true",
                      help="Only average the last --average-last checkpoints of --run-dir, then exit.")
     run.add_argument("--beam-size", type=positive_int, default=None, help="Beam size of the translations. [4]")
@@ -279,6 +292,7 @@ def resolve_settings(args):
         "epochs": None,
         "source_lang": None,
         "target_lang": None,
+        "replicas": None,
     }
     settings = {**defaults, **saved, **explicit, "preset": preset, "dataset": dataset}
     if "train_steps" in explicit:
@@ -294,6 +308,15 @@ def resolve_settings(args):
         raise SettingsError("--dataset files needs --data-dir DIR holding train.SRC and train.TGT.")
     if dataset == "files" and not (settings["source_lang"] and settings["target_lang"]):
         raise SettingsError("--dataset files needs --source-lang and --target-lang (the file suffixes).")
+    _check_direction(settings)
+    if settings["average_last"] > settings["keep_checkpoints"]:
+        # An error rather than averaging fewer: the number averaged is part of the recipe,
+        # and finding out after the training would be too late to keep more checkpoints.
+        raise SettingsError(
+            f"--average-last {settings['average_last']} needs as many kept checkpoints, but "
+            f"--keep-checkpoints is {settings['keep_checkpoints']}: raise --keep-checkpoints or lower "
+            "--average-last."
+        )
     if args.average_only and saved_config is None:
         raise SettingsError(f"--average-only needs an existing run directory; {run} has no config.json.")
     _check_vocabulary(run, settings["vocab_size"])
@@ -314,17 +337,39 @@ def _saved_settings(config):
 
 
 def _check_no_orphan_state(run):
-    """Refuses a directory holding checkpoints or a vocabulary without config.json."""
+    """Refuses a directory holding checkpoints without config.json; takes over a lone vocabulary.
+
+    Runs of this script write config.json before their vocabulary, but earlier versions
+    wrote the vocabulary first: a start interrupted then left only tokenizer.model.
+    Nothing was trained with it, so the run starts with it (its size is checked next).
+    """
     from keras_transformer import run_dir as run_dir_lib
 
-    leftovers = [
-        name for name in (run_dir_lib.TOKENIZER_FILE, run_dir_lib.CHECKPOINT_DIR) if (run / name).exists()
-    ]
-    if leftovers:
+    if (run / run_dir_lib.CHECKPOINT_DIR).exists():
         raise SettingsError(
-            f"{run} holds {', '.join(leftovers)} but no {run_dir_lib.CONFIG_FILE}; it is not a run of this "
-            "script (or an incomplete one): use another --run-dir."
+            f"{run} holds {run_dir_lib.CHECKPOINT_DIR} but no {run_dir_lib.CONFIG_FILE}; it is not a run of "
+            "this script: use another --run-dir."
         )
+    if run_dir_lib.tokenizer_path(run).is_file():
+        logger.warning("%s holds %s but no %s (an interrupted start): starting the run with that vocabulary.",
+                       run, run_dir_lib.TOKENIZER_FILE, run_dir_lib.CONFIG_FILE)
+
+
+def _check_direction(settings):
+    """The languages must be those of the corpus (checked here: loading it takes a while)."""
+    from keras_transformer import corpora
+
+    if settings["dataset"] == "files":
+        return
+    source, target = settings["source_lang"], settings["target_lang"]
+    try:
+        corpora.check_direction(settings["dataset"], source, target)
+    except ValueError:
+        first, second = corpora.CORPUS_LANGUAGES[settings["dataset"]]
+        raise SettingsError(
+            f"--dataset {settings['dataset']} translates between {first} and {second} (either way), not "
+            f"--source-lang {source or first} --target-lang {target or second}."
+        ) from None
 
 
 def _check_vocabulary(run, vocab_size):
@@ -347,14 +392,45 @@ def _check_vocabulary(run, vocab_size):
         )
 
 
-def run_config(settings, model_config):
-    """The config.json of the run."""
-    config = {"model": model_config, "data": {}, "train": {}}
+def run_config(settings, model_config=None):
+    """The config.json of the run; without its "model" section until the model is built."""
+    config = {"data": {}, "train": {}}
+    if model_config is not None:
+        config["model"] = model_config
     for name in SAVED:
         section, key = _CONFIG_LOCATIONS.get(name, ("train", name))
         if section != "model":
             config[section][key] = settings[name]
     return config
+
+
+def check_replicas(run, settings, replicas):
+    """The number of replicas to record in config.json, after checking that the run may use `replicas`.
+
+    A run resumes where it stopped only on as many replicas as it trained on: the global
+    batch and the data order depend on it (see `keras_transformer.trainer`). Evaluating a
+    finished run works on any number, and keeps the recorded one.
+
+    Raises:
+        SettingsError: When training would continue on another number of replicas.
+    """
+    import tensorflow as tf
+
+    from keras_transformer import run_dir as run_dir_lib
+
+    saved = settings["replicas"]
+    step = run_dir_lib.checkpoint_step(tf.train.latest_checkpoint(str(run / run_dir_lib.CHECKPOINT_DIR)))
+    if step <= 0:
+        return replicas
+    if step >= settings["train_steps"]:
+        return saved
+    if saved not in (None, replicas):
+        raise SettingsError(
+            f"{run} trained on {saved} replica(s) up to step {step}, and this command runs {replicas}: a run "
+            f"resumes only on as many replicas, as the global batch and the data order depend on it. Resume it "
+            f"on {saved} replica(s) (see --devices), or use another --run-dir."
+        )
+    return replicas
 
 
 def load_corpus(settings, data_dir):
@@ -386,12 +462,40 @@ def prepare_tokenizer(run, corpus, settings, strategy):
     path = run_dir_lib.tokenizer_path(run)
     if not path.is_file() and distribution.is_chief(strategy):
         started = time.monotonic()
-        tokenizer = train_tokenizer(corpus.training_sentences(), settings["vocab_size"], seed=settings["seed"])
-        tokenizer.save(path)
+        try:
+            tokenizer = train_tokenizer(corpus.training_sentences(), settings["vocab_size"], seed=settings["seed"])
+        except RuntimeError as error:  # SentencePiece's, for a vocabulary size the text cannot fill.
+            raise SettingsError(_vocabulary_error(settings, error)) from None
+        # config.json first: from here on, an interrupted start is a run of known settings,
+        # which the same command resumes (and another command cannot take over).
+        if not (run / run_dir_lib.CONFIG_FILE).is_file():
+            run_dir_lib.write_config(run, run_config(settings))
+        partial = path.with_name(f".{path.name}.partial")
+        tokenizer.save(partial)
+        os.replace(partial, path)  # Atomically: never a truncated vocabulary.
         logger.info("Learned a %d-token BPE vocabulary in %.0fs: %s", tokenizer.vocab_size,
                     time.monotonic() - started, path)
     distribution.barrier(strategy)  # The other workers read the chief's file.
     return SubwordTokenizer.load(path)
+
+
+def _vocabulary_error(settings, error):
+    """A one-line message for SentencePiece's RuntimeError when learning the vocabulary."""
+    import re
+
+    text = str(error)
+    needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", text)
+    if needed:
+        return (
+            f"--vocab-size {settings['vocab_size']} is too small for the {settings['dataset']} training text: "
+            f"its characters, byte pieces and reserved ids alone take {needed.group(1)} ids; give --vocab-size "
+            f"{needed.group(1)} or more (8000 is usual)."
+        )
+    detail = text.split("] ", 1)[-1].splitlines()[0] if text else type(error).__name__
+    return (
+        f"Cannot learn a {settings['vocab_size']}-token vocabulary on the {settings['dataset']} training "
+        f"text ({detail}); adjust --vocab-size."
+    )
 
 
 def steps_for_epochs(corpus, tokenizer, settings, num_replicas):
@@ -518,7 +622,8 @@ def train(args):
     try:
         strategy = distribution.make_strategy(devices)
     except ValueError as error:
-        raise SettingsError(str(error)) from None
+        raise SettingsError(f"--devices {args.devices}: {error}" if devices else str(error)) from None
+    settings["replicas"] = check_replicas(run, settings, strategy.num_replicas_in_sync)
 
     import keras
     import tensorflow as tf
@@ -539,7 +644,7 @@ def train(args):
         settings["train_steps"] = steps_for_epochs(corpus, tokenizer, settings, strategy.num_replicas_in_sync)
 
     def model_fn(dtype):
-        if saved_config is not None:
+        if saved_config is not None and "model" in saved_config:  # Not yet when the start was interrupted.
             return Transformer(**saved_config["model"], dtype=dtype)
         return Transformer.from_preset(
             settings["preset"], tokenizer.vocab_size, dropout_rate=settings["dropout"], dtype=dtype
@@ -586,18 +691,22 @@ def train(args):
                     format_duration(result.seconds), f"{result.tokens_per_second:,.0f}")
     if is_chief:
         final_evaluation(run, corpus, settings)
+    if result.stopped_early:
+        logger.info("The time budget (--max-minutes %g) stopped the run at step %d of %d; run the same command "
+                    "again to continue training from there.", settings["max_minutes"], result.step,
+                    settings["train_steps"])
     return 0
 
 
 def main(argv=None):
     """Runs the command line `argv`; returns the exit code (2 for bad flags or data)."""
     args = build_parser().parse_args(argv)
-    from keras_transformer.corpora import CorpusError, DatasetUnavailableError
+    from keras_transformer.corpora import CorpusError, DatasetUnavailableError, MissingPackageError
     from keras_transformer.run_dir import RunDirError
 
     try:
         return train(args)
-    except (SettingsError, RunDirError, DatasetUnavailableError, CorpusError) as error:
+    except (SettingsError, RunDirError, DatasetUnavailableError, CorpusError, MissingPackageError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

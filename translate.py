@@ -27,6 +27,10 @@ DEFAULT_BEAM_SIZE = 4
 DEFAULT_ALPHA = 0.6
 
 
+class BadRunDirError(Exception):
+    """A --run-dir (or its --checkpoint) that cannot be loaded: `RunDirError`, for main to report."""
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -82,13 +86,18 @@ def load_translator(args):
     if args.saved_model:
         module = tf.saved_model.load(str(version_directory(args.saved_model)))
         return module, module.signatures
+    # Imported here: a SavedModel needs TensorFlow only, not this package (nor Keras).
+    from keras_transformer.run_dir import RunDirError
     from keras_transformer.translator import Translator
 
     beam_size = DEFAULT_BEAM_SIZE if args.beam_size is None else args.beam_size
     alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
-    module = Translator.from_run_dir(
-        args.run_dir, args.checkpoint, beam_size=beam_size, alpha=alpha, jit_compile=args.jit_compile
-    )
+    try:
+        module = Translator.from_run_dir(
+            args.run_dir, args.checkpoint, beam_size=beam_size, alpha=alpha, jit_compile=args.jit_compile
+        )
+    except RunDirError as error:
+        raise BadRunDirError(error) from None
     return module, module.signatures()
 
 
@@ -144,11 +153,25 @@ def print_results(results, first_index, args):
             print(translation.decode())
 
 
+def fail(message):
+    """Prints a one-line error the way argparse does; returns the exit code for bad input."""
+    print(f"translate.py: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None):
+    """Translates as the command line `argv` asks; returns the exit code (2 for bad input)."""
     args = parse_args(argv)
-    module, signatures = load_translator(args)  # noqa: F841  `module` must outlive the signatures.
+    try:
+        # The input first: a missing file should not wait for the model to load.
+        sentences = read_sentences(args)
+    except OSError as error:
+        return fail(f"cannot read --input {args.input}: {error.strerror or error}.")
+    try:
+        module, signatures = load_translator(args)  # noqa: F841  `module` must outlive the signatures.
+    except BadRunDirError as error:
+        return fail(error)
     translate = translate_fn(signatures, args)
-    sentences = read_sentences(args)
     for index, batch in enumerate(batches(sentences, args.batch_size)):
         print_results(translate(tf.constant(batch, dtype=tf.string)), index * args.batch_size, args)
         sys.stdout.flush()

@@ -24,7 +24,8 @@ never the alignment: a pair whose source or target line is empty or not valid UT
 skipped, and the number skipped is reported in one warning per file pair. Files with
 different line counts raise `CorpusError`. A corpus that cannot be found or downloaded
 raises `DatasetUnavailableError`, whose message says where to get it and how to pass a
-local copy.
+local copy; a Python package that TFDS needs and lacks raises `MissingPackageError` (an
+`ImportError`) naming the package to install.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ WMT14_TFDS_NAME = "wmt14_translate/de-en"
 TED_PT_EN_TFDS_NAME = "ted_hrlr_translate/pt_to_en"
 
 CORPUS_NAMES = ("multi30k", "wmt14", "ted_pt_en")
+# The two languages of each corpus, its usual source first.
+CORPUS_LANGUAGES = {"multi30k": MULTI30K_LANGUAGES, "wmt14": ("en", "de"), "ted_pt_en": ("pt", "en")}
 
 _MULTI30K_HELP = (
     f"Download train, val and test_2016_flickr .en.gz and .de.gz from {MULTI30K_URL}/, "
@@ -66,6 +69,10 @@ class DatasetUnavailableError(RuntimeError):
 
 class CorpusError(ValueError):
     """Parallel text files that cannot be paired line by line."""
+
+
+class MissingPackageError(ImportError):
+    """A Python package that loading a corpus needs is not installed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,21 +135,34 @@ def load_corpus(
     Raises:
         ValueError: For an unknown name or language.
         DatasetUnavailableError: When the corpus cannot be found or downloaded.
+        MissingPackageError: When a package that TFDS needs for the corpus is not installed.
     """
     loaders = {
-        "multi30k": (load_multi30k, ("en", "de"), {}),
-        "wmt14": (load_wmt14, ("en", "de"), {"download": download}),
-        "ted_pt_en": (load_ted_pt_en, ("pt", "en"), {"download": download}),
+        "multi30k": (load_multi30k, {}),
+        "wmt14": (load_wmt14, {"download": download}),
+        "ted_pt_en": (load_ted_pt_en, {"download": download}),
     }
-    if name not in loaders:
+    source_lang, target_lang = check_direction(name, source_lang, target_lang)
+    loader, options = loaders[name]
+    return loader(data_dir, source_lang=source_lang, target_lang=target_lang, **options)
+
+
+def check_direction(
+    name: str, source_lang: str | None = None, target_lang: str | None = None
+) -> tuple[str, str]:
+    """The direction `(source, target)` of corpus `name`, unset languages taken from its usual one.
+
+    Cheap (reads nothing), so that callers can check their settings before loading.
+
+    Raises:
+        ValueError: For an unknown corpus, or languages the corpus does not have.
+    """
+    if name not in CORPUS_LANGUAGES:
         raise ValueError(f"Unknown corpus {name!r}; choose one of {CORPUS_NAMES}.")
-    loader, (default_source, default_target), options = loaders[name]
-    return loader(
-        data_dir,
-        source_lang=source_lang or default_source,
-        target_lang=target_lang or default_target,
-        **options,
-    )
+    default_source, default_target = CORPUS_LANGUAGES[name]
+    direction = (source_lang or default_source, target_lang or default_target)
+    _check_direction(name, CORPUS_LANGUAGES[name], *direction)
+    return direction
 
 
 def load_multi30k(
@@ -327,7 +347,10 @@ def _load_tfds(
 ) -> ParallelCorpus:
     """Loads a TFDS translation dataset whose examples are `{language: sentence}` dicts."""
     _check_direction(tfds_name, languages, source_lang, target_lang)
-    import tensorflow_datasets as tfds  # Imported here: it takes seconds to import.
+    try:
+        import tensorflow_datasets as tfds  # Imported here: it takes seconds to import.
+    except ImportError as error:
+        raise _missing_package(tfds_name, error) from error
 
     load = functools.partial(
         tfds.load,
@@ -338,6 +361,9 @@ def _load_tfds(
     try:
         train = load(split="train", shuffle_files=True)
         validation, test = load(split=["validation", "test"], shuffle_files=False)
+    except ImportError as error:
+        # Some builders import optional packages only when used: not a missing dataset.
+        raise _missing_package(tfds_name, error) from error
     except Exception as error:  # TFDS raises many types: not found, network, I/O.
         raise DatasetUnavailableError(
             f"TFDS dataset {tfds_name} is not available in "
@@ -452,6 +478,23 @@ def _read_lines(path: str | os.PathLike) -> list[bytes]:
     if lines[-1] == b"":
         lines.pop()
     return [line[:-1] if line.endswith(b"\r") else line for line in lines]
+
+
+def _missing_package(tfds_name: str, error: ImportError) -> MissingPackageError:
+    """The error for a package that TFDS needs to load `tfds_name` (`error.name` is the module)."""
+    module = (error.name or "").split(".")[0]
+    if not module:  # "cannot import name ..." from an installed but incompatible package.
+        return MissingPackageError(
+            f"Loading TFDS dataset {tfds_name} failed on an import ({error}); install or upgrade "
+            "the package it names (pip install -U PACKAGE)."
+        )
+    # Pip normalizes "_" and "-", so the module name installs the package in the usual case.
+    package = "tensorflow-datasets" if module == "tensorflow_datasets" else module
+    return MissingPackageError(
+        f"Loading TFDS dataset {tfds_name} needs the Python package {package!r}, which is not "
+        f"installed ({error}); install it with `pip install {package}` and try again.",
+        name=error.name,
+    )
 
 
 def _check_direction(

@@ -9,6 +9,8 @@ What differs is chosen here:
 * an explicit `devices` list -> `MirroredStrategy` over them (one device:
   `OneDeviceStrategy`). CPU devices beyond the first are logical devices split off the
   one physical CPU (`split_cpu`), which is how the tests run two replicas on a CPU.
+  Every device must exist: a GPU that TensorFlow does not see, or a CPU device beyond
+  the split, is an error rather than a silent run on another device.
 * otherwise -> `MirroredStrategy` over all local GPUs, or `OneDeviceStrategy` on the only
   GPU or on the CPU.
 
@@ -76,7 +78,8 @@ def make_strategy(devices=None):
         A `tf.distribute.Strategy`.
 
     Raises:
-        ValueError: For `devices` combined with a multi-worker `TF_CONFIG`.
+        ValueError: For `devices` combined with a multi-worker `TF_CONFIG`, or naming a
+            device that does not exist (or one device twice).
     """
     if cluster_task_count() > 1:
         if devices:
@@ -84,9 +87,11 @@ def make_strategy(devices=None):
         return tf.distribute.MultiWorkerMirroredStrategy()
     if devices:
         devices = [_canonical_device(name) for name in devices]
+        _check_distinct(devices)
         cpu_count = sum(name.startswith("/cpu:") for name in devices)
         if cpu_count > 1:
             split_cpu(max(int(name.split(":")[1]) for name in devices if name.startswith("/cpu:")) + 1)
+        _check_devices_exist(devices)
     else:
         gpus = tf.config.list_logical_devices("GPU")
         devices = [gpu.name for gpu in gpus] or ["/cpu:0"]
@@ -101,6 +106,44 @@ def _canonical_device(name):
     if len(parts) != 2 or parts[0] not in ("cpu", "gpu") or not parts[1].isdigit():
         raise ValueError(f"Device {name!r} is not of the form CPU:N or GPU:N.")
     return f"/{parts[0]}:{parts[1]}"
+
+
+def _check_distinct(devices):
+    """Raises ValueError if a canonical device name is repeated (two replicas cannot share a device)."""
+    repeated = sorted({name for name in devices if devices.count(name) > 1})
+    if repeated:
+        raise ValueError(f"Device {_display(repeated[0])} is listed twice; list each device once.")
+
+
+def _check_devices_exist(devices):
+    """Raises ValueError unless every canonical name in `devices` is an existing device.
+
+    TensorFlow would otherwise place the work of a missing device elsewhere without a
+    word (a missing GPU on the CPU). Visible GPUs and the CPU split are read without
+    initializing TensorFlow's devices, which `split_cpu` needs left undone.
+    """
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    available = {
+        "gpu": len(tf.config.get_visible_devices("GPU")),
+        "cpu": len(tf.config.get_logical_device_configuration(cpu) or [cpu]),
+    }
+    for name in devices:
+        kind, index = name.lstrip("/").split(":")
+        if int(index) < available[kind]:
+            continue
+        if kind == "gpu":
+            seen = f"GPU:0 to GPU:{available['gpu'] - 1}" if available["gpu"] else "no GPU"
+            raise ValueError(f"Device {_display(name)} does not exist: TensorFlow sees {seen} on this machine.")
+        raise ValueError(
+            f"Device {_display(name)} does not exist: this process has {available['cpu']} CPU device(s). "
+            "Logical CPU devices (for testing several replicas) are made only when two or more CPU "
+            "devices are listed together, e.g. CPU:0,CPU:1."
+        )
+
+
+def _display(name):
+    """'/gpu:1' -> 'GPU:1', as users write it."""
+    return name.lstrip("/").upper()
 
 
 def runs_on_cpus_only(strategy):

@@ -15,7 +15,9 @@ and `checkpoint_path(run_dir, "best")` prefers it unless training has gone past 
 """
 
 import json
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import tensorflow as tf
@@ -57,16 +59,35 @@ def model_config(model):
 
 
 def write_config(run_dir, config):
+    """Writes `RUN/config.json` atomically: an interruption leaves the old file or the new one, never half of one."""
     path = Path(run_dir) / CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    file, temporary = tempfile.mkstemp(prefix=f".{CONFIG_FILE}.", dir=path.parent)
+    try:
+        with os.fdopen(file, "w") as text:
+            text.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def read_config(run_dir):
+    """The dict of `RUN/config.json`.
+
+    Raises:
+        RunDirError: When the file is missing or is not a JSON object.
+    """
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         raise RunDirError(f"{run_dir} is not a run directory: {CONFIG_FILE} is missing.")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RunDirError(f"{path} is damaged, not valid JSON ({error}).") from None
+    if not isinstance(config, dict):
+        raise RunDirError(f"{path} is damaged: it holds a JSON {type(config).__name__}, not an object.")
+    return config
 
 
 def check_checkpointable(model):
@@ -87,7 +108,11 @@ def check_checkpointable(model):
 
 def build_model(run_dir, dtype=None):
     """A `Transformer` with the architecture of `run_dir`, built, with fresh weights."""
-    kwargs = read_config(run_dir)["model"]
+    config = read_config(run_dir)
+    if not isinstance(config.get("model"), dict):
+        # train.py writes the data and training settings first, the model once it is built.
+        raise RunDirError(f"{run_dir} holds no trained model yet: its {CONFIG_FILE} has no model section.")
+    kwargs = config["model"]
     if dtype is not None:
         kwargs = {**kwargs, "dtype": dtype}
     model = Transformer(**kwargs)
@@ -110,6 +135,11 @@ def checkpoint_path(run_dir, which="best"):
     """
     run_dir = Path(run_dir)
     if which not in ("best", "averaged", "latest"):
+        if not tf.io.gfile.exists(f"{which}.index"):
+            raise RunDirError(
+                f"Checkpoint {which} does not exist (no {which}.index); give \"best\", \"averaged\", "
+                f"\"latest\" or a checkpoint prefix such as {run_dir / CHECKPOINT_DIR / CHECKPOINT_NAME}-STEP."
+            )
         return which
     averaged = tf.train.latest_checkpoint(str(run_dir / AVERAGED_DIR))
     latest = tf.train.latest_checkpoint(str(run_dir / CHECKPOINT_DIR))
@@ -158,7 +188,7 @@ def average_checkpoints(run_dir, last_n):
     checkpoint = tf.train.Checkpoint(model=model)
     totals = None
     for path in chosen:  # Oldest first: the non-averaged variables end up from the newest.
-        checkpoint.restore(path).expect_partial()
+        restore_model(checkpoint, path)
         values = [variable.numpy().astype("float64") for variable in model.trainable_variables]
         totals = values if totals is None else [total + value for total, value in zip(totals, values)]
     for variable, total in zip(model.trainable_variables, totals):
@@ -172,8 +202,28 @@ def average_checkpoints(run_dir, last_n):
 def load_model(run_dir, which="best", dtype=None):
     """The trained model of `run_dir` with the weights of checkpoint `which` (see `checkpoint_path`)."""
     model = build_model(run_dir, dtype=dtype)
-    tf.train.Checkpoint(model=model).restore(checkpoint_path(run_dir, which)).expect_partial()
+    restore_model(tf.train.Checkpoint(model=model), checkpoint_path(run_dir, which))
     return model
+
+
+def restore_model(checkpoint, path):
+    """Restores `checkpoint` (holding the model) from `path`, which must hold every model weight.
+
+    Training checkpoints also hold the optimizer, which is not needed here (hence
+    `expect_partial`); but a model weight missing from the checkpoint, as when
+    config.json describes another architecture, would otherwise stay random silently.
+
+    Raises:
+        RunDirError: When the checkpoint cannot be read or does not fit the model.
+    """
+    try:
+        checkpoint.restore(path).expect_partial().assert_existing_objects_matched()
+    except (AssertionError, ValueError, tf.errors.OpError) as error:
+        summary = str(error).splitlines()[0][:300]
+        raise RunDirError(
+            f"Checkpoint {path} does not fit the model of {CONFIG_FILE} (another architecture, or a damaged "
+            f"file): {summary}"
+        ) from None
 
 
 def tokenizer_path(run_dir):

@@ -389,12 +389,8 @@ class Trainer:
         loss = sums["loss_sum"] / tokens
         accuracy = sums["correct"] / tokens
         learning_rate = float(self.schedule(step - 1))
-        seconds_per_step = interval.timed_seconds / max(interval.timed_steps, 1)
-        tokens_per_second = interval.timed_tokens / interval.timed_seconds if interval.timed_seconds else 0.0
         elapsed = time.monotonic() - started
-        eta = (self.config.train_steps - step) * seconds_per_step
-        if self.config.max_minutes:
-            eta = min(eta, max(0.0, self.config.max_minutes * 60 - elapsed))
+        tokens_per_second, eta = self._speed(interval, step, elapsed)
         logger.info(
             "step %d/%d | loss %.3f | acc %.3f | lr %.2e | grad norm %.2f | %s tok/s | elapsed %s | ETA %s",
             step,
@@ -403,16 +399,31 @@ class Trainer:
             accuracy,
             learning_rate,
             grad_norm,
-            f"{tokens_per_second:,.0f}",
+            "-" if tokens_per_second is None else f"{tokens_per_second:,.0f}",
             format_duration(elapsed),
-            format_duration(eta),
+            "-" if eta is None else format_duration(eta),
         )
         with writer.as_default(step=step):
             tf.summary.scalar("loss", loss)
             tf.summary.scalar("accuracy", accuracy)
             tf.summary.scalar("learning_rate", learning_rate)
             tf.summary.scalar("grad_norm", grad_norm)
-            tf.summary.scalar("tokens_per_second", tokens_per_second)
+            if tokens_per_second is not None:  # A 0 would be a false dip in the curve.
+                tf.summary.scalar("tokens_per_second", tokens_per_second)
+
+    def _speed(self, interval, step, elapsed):
+        """`(target tokens per second, seconds left)` of the interval; None for what it cannot tell.
+
+        An interval made only of steps that traced a step function has no timing: its
+        speed is unknown (not 0), and so is the time left, unless no step is left.
+        """
+        steps_left = self.config.train_steps - step
+        if not interval.timed_steps or not interval.timed_seconds:
+            return None, (0.0 if steps_left == 0 else None)
+        eta = steps_left * interval.timed_seconds / interval.timed_steps
+        if self.config.max_minutes:
+            eta = min(eta, max(0.0, self.config.max_minutes * 60 - elapsed))
+        return interval.timed_tokens / interval.timed_seconds, eta
 
     def _validate(self, step, writer):
         """Runs `validate_fn` on the chief, logs its metrics and writes them as summaries."""

@@ -213,3 +213,27 @@ def test_clean_files_load_without_warning(tmp_path):
     assert corpus.validation == [("e f", "E F")]
     assert corpus.test == []
     assert (corpus.source_lang, corpus.target_lang) == ("xx", "yy")
+
+
+@pytest.mark.parametrize("name", ["wmt14", "ted_pt_en"])
+def test_a_package_tfds_lacks_is_named_not_taken_for_missing_data(name, tmp_path, monkeypatch):
+    """Some TFDS builders import optional packages (e.g. importlib_resources) only when loading."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+
+    def load(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'importlib_resources'", name="importlib_resources")
+
+    monkeypatch.setattr(tfds, "load", load)
+    with pytest.raises(ImportError, match="pip install importlib_resources") as raised:
+        load_corpus(name, tmp_path, download=False)
+
+    assert isinstance(raised.value, corpora.MissingPackageError)
+    assert raised.value.name == "importlib_resources"
+    assert "tfds build" not in str(raised.value)
+
+
+def test_the_direction_is_checked_without_loading():
+    assert corpora.check_direction("ted_pt_en") == ("pt", "en")
+    assert corpora.check_direction("multi30k", "de", "en") == ("de", "en")
+    with pytest.raises(ValueError, match="translates between 'en' and 'de'"):
+        corpora.check_direction("multi30k", "fr")

@@ -9,6 +9,7 @@ cache, and with it the SentencePiece resources of the session's tokenizer fixtur
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -369,3 +370,221 @@ def test_unknown_preset_is_a_usage_error(tmp_path):
     assert result.returncode == 2 and "invalid choice: 'huge'" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_average_last_beyond_the_kept_checkpoints_is_refused(tmp_path, capsys):
+    """tiny keeps 3 checkpoints: averaging 5 would silently average 3."""
+    flags = ["--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--average-last", "5"]
+    exit_code = _import_train_script().main(flags)
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "--average-last 5", "--keep-checkpoints is 3")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_language_the_corpus_lacks_fails_before_anything_is_written(tmp_path, capsys):
+    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--source-lang", "fr"])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "--dataset multi30k translates between en and de")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("text", ["{\"model\": {", "[1, 2]"], ids=["truncated", "not-an-object"])
+def test_a_damaged_config_is_one_line(existing_run, capsys, text):
+    (existing_run / run_dir.CONFIG_FILE).write_text(text)
+    exit_code = _import_train_script().main(["--run-dir", str(existing_run)])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, str(existing_run / run_dir.CONFIG_FILE), "damaged")
+
+
+@pytest.mark.parametrize("value", ["-1", str(2**32)])
+def test_a_seed_out_of_numpys_range_is_a_usage_error(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as raised:
+        _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--seed", value])
+    assert raised.value.code == 2
+    assert f"argument --seed: must be an integer from 0 to {2**32 - 1}, got {value}" in capsys.readouterr().err
+
+
+def test_help_gives_the_presets_defaults_and_the_papers_values():
+    help_text = " ".join(_import_train_script().build_parser().format_help().split())
+    assert "[the preset's: tiny 100, small 800, medium 1000, base 4000, big 4000] The paper: 4000." in help_text
+    assert "[the preset's: tiny 1, small 2, medium 1.5, base 1, big 1] The paper: 1." in help_text
+
+
+def _interrupting_train(*flags):
+    """`python -c` code: train.py with `flags`, interrupted (Ctrl-C) as its Trainer is created."""
+    return [
+        sys.executable, "-c",
+        "import sys, train, keras_transformer.trainer as trainer\n"
+        "def interrupt(*args, **kwargs):\n"
+        "    raise KeyboardInterrupt\n"
+        "trainer.Trainer = interrupt\n"
+        f"sys.exit(train.main({list(flags)!r}))\n",
+    ]
+
+
+@pytest.mark.slow
+def test_a_start_interrupted_after_the_vocabulary_is_resumed(tmp_path, multi30k_dir):
+    """Ctrl-C right after the vocabulary is learned; the same command takes the run up again.
+
+    Also a directory left so by earlier versions (a vocabulary without config.json).
+    """
+    run = tmp_path / "run"
+    command = _interrupting_train("--run-dir", str(run), "--preset", "tiny", "--vocab-size", "1000",
+                                  "--data-dir", str(multi30k_dir))
+    first = _run(command)
+    assert first.returncode == 130, first.stderr[-3000:]
+    assert "run the same command to resume" in first.stderr
+    assert (run / run_dir.CONFIG_FILE).is_file() and run_dir.tokenizer_path(run).is_file()
+    assert run_dir.read_config(run)["data"]["vocab_size"] == 1000
+    vocabulary = _snapshot(run)[run_dir.TOKENIZER_FILE]
+
+    again = _run(command)
+    assert again.returncode == 130, again.stderr[-3000:]
+    assert _snapshot(run)[run_dir.TOKENIZER_FILE] == vocabulary  # Taken up, not learned again.
+    # Its settings are pinned like those of any run.
+    other = _run([sys.executable, "train.py", "--run-dir", str(run), "--seed", "1"])
+    _assert_one_line_error(other.returncode, other.stderr, "trained with --seed 0, not 1")
+
+    (run / run_dir.CONFIG_FILE).unlink()  # As earlier versions left it.
+    legacy = _run(command)
+    assert legacy.returncode == 130, legacy.stderr[-3000:]
+    assert "an interrupted start" in legacy.stderr
+    assert _snapshot(run)[run_dir.TOKENIZER_FILE] == vocabulary
+
+
+# --- Run directories, devices, replicas, progress ---------------------------------------
+
+
+def _run_with_checkpoint(directory, step=5, **model_config):
+    """A run directory holding a tiny model's checkpoint at `step`, and a config.json with `model_config`."""
+    model = Transformer.from_preset("tiny", vocab_size=50)
+    model.build()
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(directory / run_dir.CHECKPOINT_DIR), 3)
+    path = manager.save(checkpoint_number=step)
+    run_dir.write_config(directory, {"model": {**run_dir.model_config(model), **model_config}})
+    return path
+
+
+@pytest.mark.parametrize("change", [{"num_layers": 3}, {"d_model": 64}], ids=["more-layers", "wider"])
+def test_a_checkpoint_of_another_architecture_is_refused(tmp_path, change):
+    """A 2-layer checkpoint under a 3-layer config.json used to load partly, layer 3 left random."""
+    path = _run_with_checkpoint(tmp_path, **change)
+    with pytest.raises(run_dir.RunDirError, match=f"Checkpoint {path} does not fit the model"):
+        run_dir.load_model(tmp_path, "latest")
+    with pytest.raises(run_dir.RunDirError, match=f"Checkpoint {path} does not fit the model"):
+        run_dir.average_checkpoints(tmp_path, 2)
+    assert not (tmp_path / run_dir.AVERAGED_DIR).exists()
+
+
+def test_a_checkpoint_path_that_does_not_exist_is_a_clear_error(tmp_path):
+    _run_with_checkpoint(tmp_path)
+    missing = str(tmp_path / run_dir.CHECKPOINT_DIR / "ckpt-7")
+    with pytest.raises(run_dir.RunDirError, match=f"Checkpoint {missing} does not exist"):
+        run_dir.load_model(tmp_path, missing)
+    assert run_dir.checkpoint_path(tmp_path, missing[:-1] + "5") == missing[:-1] + "5"
+
+
+def test_devices_that_do_not_exist_are_refused():
+    """This process never split its CPU: CPU:1 does not exist; nor does a GPU on a machine without one."""
+    with pytest.raises(ValueError, match="Device CPU:1 does not exist: this process has 1 CPU device"):
+        distribution.make_strategy(["CPU:1"])
+    with pytest.raises(ValueError, match="Device CPU:0 is listed twice"):
+        distribution.make_strategy(["CPU:0", "cpu:0"])
+    if not tf.config.list_physical_devices("GPU"):
+        with pytest.raises(ValueError, match="Device GPU:0 does not exist: TensorFlow sees no GPU"):
+            distribution.make_strategy(["GPU:0"])
+
+
+@pytest.mark.slow
+def test_a_missing_gpu_is_one_line_in_a_real_process(tmp_path):
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("this machine has a GPU")
+    result = _run([sys.executable, "train.py", "--run-dir", str(tmp_path / "run"), "--devices", "GPU:0"])
+    _assert_one_line_error(result.returncode, result.stderr, "--devices GPU:0: Device GPU:0 does not exist")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "saved, step, train_steps, replicas, expected",
+    [
+        (None, None, 200, 2, 2),  # A new run records its replicas.
+        (1, 100, 200, 1, 1),  # Resumed on as many.
+        (None, 100, 200, 2, 2),  # A run of an earlier version: from now on, on 2.
+        (2, 200, 200, 1, 2),  # Evaluating a finished run works on any number, and keeps the record.
+        (2, 100, 200, 1, "trained on 2 replica(s) up to step 100, and this command runs 1"),
+    ],
+    ids=["new", "same", "unrecorded", "finished", "other"],
+)
+def test_a_run_resumes_only_on_as_many_replicas(tmp_path, saved, step, train_steps, replicas, expected):
+    train = _import_train_script()
+    if step is not None:
+        _run_with_checkpoint(tmp_path, step=step)
+    settings = {"replicas": saved, "train_steps": train_steps}
+    if isinstance(expected, int):
+        assert train.check_replicas(tmp_path, settings, replicas) == expected
+    else:
+        with pytest.raises(train.SettingsError, match=re.escape(expected)):
+            train.check_replicas(tmp_path, settings, replicas)
+
+
+@pytest.mark.slow
+def test_resuming_on_another_number_of_replicas_is_one_line_in_a_real_process(existing_run):
+    """The run trained 100 of its 200 steps on 2 replicas; this command has 1 (the CPU)."""
+    config = run_dir.read_config(existing_run)
+    config["train"]["replicas"] = 2
+    run_dir.write_config(existing_run, config)
+    tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=run_dir.build_model(existing_run)), str(existing_run / run_dir.CHECKPOINT_DIR), 3
+    ).save(checkpoint_number=100)
+    before = _snapshot(existing_run)
+    result = _run([sys.executable, "train.py", "--run-dir", str(existing_run)])
+    _assert_one_line_error(result.returncode, result.stderr, "trained on 2 replica(s) up to step 100")
+    assert _snapshot(existing_run) == before
+
+
+def test_progress_lines_show_no_speed_for_steps_that_only_traced(tmp_path, caplog):
+    """Step 1 traces the step function (untimed): its speed and ETA are unknown, not 0; step 2 is timed."""
+    config = TrainingConfig(train_steps=3, warmup_steps=20, log_every=1)
+    trainer = Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+        tmp_path / "run",
+        config,
+    )
+    with caplog.at_level("INFO", logger="keras_transformer.trainer"):
+        trainer.fit(_synthetic_pairs_dataset)
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("step ")]
+    assert len(lines) == 3
+    assert "| - tok/s |" in lines[0] and lines[0].endswith("| ETA -"), lines[0]
+    assert re.search(r"\| [\d,]+ tok/s \|", lines[1]) and re.search(r"\| ETA \d+s$", lines[1]), lines[1]
+
+
+@pytest.mark.slow
+def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir):
+    """A run stopped by --max-minutes ends with its step and how to continue it."""
+    from keras_transformer.corpora import load_multi30k
+
+    corpus = load_multi30k(multi30k_dir)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    for split, pairs in (("train", corpus.train[:3000]), ("val", corpus.validation[:4]), ("test", corpus.test[:4])):
+        for side, lang in enumerate(("en", "de")):
+            (data_dir / f"{split}.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs))
+    result = _run([
+        sys.executable, "train.py", "--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--dataset", "files",
+        "--data-dir", str(data_dir), "--source-lang", "en", "--target-lang", "de", "--vocab-size", "1000",
+        "--max-length", "64", "--max-minutes", "0.0001", "--bleu-sentences", "0", "--beam-size", "1",
+    ])
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"The time budget \(--max-minutes 0.0001\) stopped the run at step 1 of 200; run the same command again "
+        r"to continue training from there\.", last
+    ), last
+
+
+@pytest.mark.slow
+def test_a_vocabulary_too_small_for_the_text_is_one_line(tmp_path, multi30k_dir):
+    run = tmp_path / "run"
+    result = _run([sys.executable, "train.py", "--run-dir", str(run), "--preset", "tiny", "--vocab-size", "100",
+                   "--data-dir", str(multi30k_dir)])
+    _assert_one_line_error(result.returncode, result.stderr, "--vocab-size 100 is too small for the multi30k",
+                           "or more")
+    assert not run.exists()
