@@ -73,10 +73,10 @@ class MultiHeadAttention(keras.layers.Layer):
             `empty_cache` and `project_key_value`). With
             `cache_index`, the keys and values of `value`/`key` are written into
             the cache at `cache_index` and attention runs over the cache's positions
-            up to the newest token (self-attention while decoding). Without `cache_index`, the cached
-            keys and values are used as they are and `value`/`key` are ignored
-            (encoder-decoder attention, whose memory is fixed; see
-            `project_key_value`).
+            up to the newest token (self-attention while decoding). Without
+            `cache_index`, the cached keys and values are used as they are and
+            `value`/`key` are ignored (encoder-decoder attention, whose memory is
+            fixed; see `project_key_value`).
         cache_index: Scalar int position at which `value`'s first token is
             written into the cache.
 
