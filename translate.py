@@ -11,8 +11,9 @@ score" for every hypothesis). Sources longer than the translator's maximum input
 (256 tokens by default) are translated from their beginning only; empty lines give
 empty lines.
 
-With `--run-dir`, the run's best checkpoint (the averaged one if present) is loaded
-into an in-process `Translator`; with `--saved-model`, a version directory or a model
+With `--run-dir`, the run's best checkpoint (the averaged one unless training went on
+past it) is loaded into an in-process `Translator`, with the beam size and length
+penalty the run was evaluated with unless given; with `--saved-model`, a version directory or a model
 base directory (its highest version is used) is loaded with `tf.saved_model.load`.
 """
 
@@ -44,9 +45,11 @@ def parse_args(argv=None):
         help='With --run-dir: "best", "averaged", "latest" or a path.',
     )
     parser.add_argument(
-        "--beam-size", type=int, help=f"Beam size (default {DEFAULT_BEAM_SIZE}; 1 is greedy)."
+        "--beam-size",
+        type=int,
+        help=f"Beam size (default: the run's, else {DEFAULT_BEAM_SIZE}; 1 is greedy).",
     )
-    parser.add_argument("--alpha", type=float, help=f"Length penalty (default {DEFAULT_ALPHA}).")
+    parser.add_argument("--alpha", type=float, help=f"Length penalty (default: the run's, else {DEFAULT_ALPHA}).")
     parser.add_argument(
         "--max-length", type=int, help="Most output tokens (default: source length + 50)."
     )
@@ -90,24 +93,26 @@ def load_translator(args):
     from keras_transformer.run_dir import RunDirError
     from keras_transformer.translator import Translator
 
-    beam_size = DEFAULT_BEAM_SIZE if args.beam_size is None else args.beam_size
-    alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
+    # Unset, the beam size and length penalty are the run's own (see Translator.from_run_dir).
+    given = {"beam_size": args.beam_size, "alpha": args.alpha}
+    options = {name: value for name, value in given.items() if value is not None}
     try:
-        module = Translator.from_run_dir(
-            args.run_dir, args.checkpoint, beam_size=beam_size, alpha=alpha, jit_compile=args.jit_compile
-        )
+        module = Translator.from_run_dir(args.run_dir, args.checkpoint, jit_compile=args.jit_compile, **options)
     except RunDirError as error:
         raise BadRunDirError(error) from None
     return module, module.signatures()
 
 
-def translate_fn(signatures, args):
+def translate_fn(module, signatures, args):
     """`text [batch] -> outputs` through the signature the options need."""
     if not wants_options(args):
         return lambda text: signatures["serving_default"](text=text)
+    # Unset options: those of serving_default (a run's own for an in-process Translator).
+    beam_size = getattr(module, "beam_size", DEFAULT_BEAM_SIZE) if args.beam_size is None else args.beam_size
+    alpha = getattr(module, "alpha", DEFAULT_ALPHA) if args.alpha is None else args.alpha
     options = {
-        "beam_size": tf.constant(DEFAULT_BEAM_SIZE if args.beam_size is None else args.beam_size),
-        "alpha": tf.constant(DEFAULT_ALPHA if args.alpha is None else args.alpha, tf.float32),
+        "beam_size": tf.constant(beam_size),
+        "alpha": tf.constant(alpha, tf.float32),
         "max_length": tf.constant(args.max_length or 0),
     }
     return lambda text: signatures["translate_with_options"](text=text, **options)
@@ -171,7 +176,7 @@ def main(argv=None):
         module, signatures = load_translator(args)  # noqa: F841  `module` must outlive the signatures.
     except BadRunDirError as error:
         return fail(error)
-    translate = translate_fn(signatures, args)
+    translate = translate_fn(module, signatures, args)
     for index, batch in enumerate(batches(sentences, args.batch_size)):
         print_results(translate(tf.constant(batch, dtype=tf.string)), index * args.batch_size, args)
         sys.stdout.flush()

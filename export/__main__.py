@@ -29,10 +29,12 @@ def parse_args(argv=None):
         "--model-name", help="Model name in the warmup requests (default: --out's name)."
     )
     parser.add_argument(
-        "--beam-size", type=int, default=4, help=f"serving_default's beam (1-{MAX_BEAM_SIZE})."
+        "--beam-size",
+        type=int,
+        help=f"serving_default's beam (1-{MAX_BEAM_SIZE}; default: the run's, usually 4).",
     )
     parser.add_argument(
-        "--alpha", type=float, default=0.6, help="serving_default's length penalty."
+        "--alpha", type=float, help="serving_default's length penalty (default: the run's, usually 0.6)."
     )
     parser.add_argument(
         "--max-extra-length", type=int, default=50, help="Outputs: source length + this at most."
@@ -74,11 +76,11 @@ def main(argv=None):
             which=args.checkpoint,
             model_name=args.model_name,
             check_sentences=read_check_sentences(args.check_file, args.check_lines),
-            beam_size=args.beam_size,
-            alpha=args.alpha,
             max_extra_length=args.max_extra_length,
             max_input_length=args.max_input_length,
             jit_compile=args.jit_compile,
+            # Unset, they are the run's own (see Translator.from_run_dir).
+            **{name: getattr(args, name) for name in ("beam_size", "alpha") if getattr(args, name) is not None},
         )
     except (ExportError, RunDirError, ValueError, OSError) as error:
         print(f"export failed: {error}", file=sys.stderr)

@@ -226,5 +226,16 @@ def restore_model(checkpoint, path):
         ) from None
 
 
+def translation_settings(run_dir):
+    """The beam size and length penalty the run translates with (its validation and test BLEU).
+
+    Returns:
+        `{"beam_size": ..., "alpha": ...}` as saved in config.json, as `Translator`
+        arguments; a setting the run did not save is left out.
+    """
+    train = read_config(run_dir).get("train", {})
+    return {name: train[name] for name in ("beam_size", "alpha") if train.get(name) is not None}
+
+
 def tokenizer_path(run_dir):
     return Path(run_dir) / TOKENIZER_FILE

@@ -131,7 +131,8 @@ class Translator(tf.Module):
         Args:
             path: The run directory.
             which: Checkpoint to load, see `run_dir.checkpoint_path`.
-            **options: `Translator` arguments.
+            **options: `Translator` arguments. `beam_size` and `alpha` default to the
+                run's own (`run_dir.translation_settings`), which its BLEU was measured with.
 
         Returns:
             A `Translator` whose `vocabulary_file` is the run's tokenizer model.
@@ -141,7 +142,7 @@ class Translator(tf.Module):
             run_dir.load_model(path, which),
             SubwordTokenizer.load(vocabulary_file),
             vocabulary_file=vocabulary_file,
-            **options,
+            **{**run_dir.translation_settings(path), **options},
         )
 
     def signatures(self):

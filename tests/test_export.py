@@ -492,3 +492,21 @@ def test_the_example_models_config_is_a_valid_model_server_config():
     )
     (model,) = config.model_config_list.config
     assert (model.name, model.base_path) == (MODEL_NAME, f"/models/{MODEL_NAME}")
+
+
+def test_a_run_translates_with_its_own_beam_size_and_length_penalty(tiny_translation_run, tmp_path):
+    import shutil
+
+    from keras_transformer import run_dir
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_translation_run, run)
+    config = run_dir.read_config(run)
+    config["train"] = {"beam_size": 2, "alpha": 1.0}
+    run_dir.write_config(run, config)
+    own = Translator.from_run_dir(run)
+    assert (own.beam_size, own.alpha) == (2, 1.0)
+    given = Translator.from_run_dir(run, beam_size=3)
+    assert (given.beam_size, given.alpha) == (3, 1.0)
+    unsaved = Translator.from_run_dir(tiny_translation_run)  # a run that saved neither
+    assert (unsaved.beam_size, unsaved.alpha) == (4, 0.6)
