@@ -13,8 +13,9 @@ empty lines.
 
 With `--run-dir`, the run's best checkpoint (the averaged one unless training went on
 past it) is loaded into an in-process `Translator`, with the beam size and length
-penalty the run was evaluated with unless given; with `--saved-model`, a version directory or a model
-base directory (its highest version is used) is loaded with `tf.saved_model.load`.
+penalty the run was evaluated with unless given; with `--saved-model`, a version
+directory or a model base directory (its highest version is used) is loaded with
+`tf.saved_model.load`.
 """
 
 import argparse
@@ -173,7 +174,7 @@ def main(argv=None):
     except OSError as error:
         return fail(f"cannot read --input {args.input}: {error.strerror or error}.")
     try:
-        module, signatures = load_translator(args)  # noqa: F841  `module` must outlive the signatures.
+        module, signatures = load_translator(args)  # `module` must outlive the signatures.
     except BadRunDirError as error:
         return fail(error)
     translate = translate_fn(module, signatures, args)
