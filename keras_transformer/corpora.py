@@ -307,7 +307,7 @@ def load_wmt14(
         DatasetUnavailableError: When the data is not prepared and cannot be downloaded.
     """
     return _load_tfds(
-        WMT14_TFDS_NAME, ("en", "de"), data_dir, source_lang, target_lang, download
+        WMT14_TFDS_NAME, CORPUS_LANGUAGES["wmt14"], data_dir, source_lang, target_lang, download
     )
 
 
@@ -333,7 +333,7 @@ def load_ted_pt_en(
         DatasetUnavailableError: When the data is not prepared and cannot be downloaded.
     """
     return _load_tfds(
-        TED_PT_EN_TFDS_NAME, ("pt", "en"), data_dir, source_lang, target_lang, download
+        TED_PT_EN_TFDS_NAME, CORPUS_LANGUAGES["ted_pt_en"], data_dir, source_lang, target_lang, download
     )
 
 
