@@ -414,12 +414,10 @@ def check_replicas(run, settings, replicas):
     Raises:
         SettingsError: When training would continue on another number of replicas.
     """
-    import tensorflow as tf
-
     from keras_transformer import run_dir as run_dir_lib
 
     saved = settings["replicas"]
-    step = run_dir_lib.checkpoint_step(tf.train.latest_checkpoint(str(run / run_dir_lib.CHECKPOINT_DIR)))
+    step = run_dir_lib.checkpoint_step(run_dir_lib.latest_checkpoint(run / run_dir_lib.CHECKPOINT_DIR))
     if step <= 0:
         return replicas
     if step >= settings["train_steps"]:

@@ -141,8 +141,8 @@ def checkpoint_path(run_dir, which="best"):
                 f"\"latest\" or a checkpoint prefix such as {run_dir / CHECKPOINT_DIR / CHECKPOINT_NAME}-STEP."
             )
         return which
-    averaged = tf.train.latest_checkpoint(str(run_dir / AVERAGED_DIR))
-    latest = tf.train.latest_checkpoint(str(run_dir / CHECKPOINT_DIR))
+    averaged = latest_checkpoint(run_dir / AVERAGED_DIR)
+    latest = latest_checkpoint(run_dir / CHECKPOINT_DIR)
     if which == "averaged" and not averaged:
         raise RunDirError(f"{run_dir} has no averaged checkpoint; average the checkpoints first.")
     if which == "averaged" or (which == "best" and averaged and checkpoint_step(averaged) >= checkpoint_step(latest)):
@@ -150,6 +150,29 @@ def checkpoint_path(run_dir, which="best"):
     if not latest:
         raise RunDirError(f"{run_dir} holds no checkpoint under {CHECKPOINT_DIR}/.")
     return latest
+
+
+def checkpoints(directory):
+    """The prefixes of the complete checkpoints `ckpt-N` in `directory`, oldest (smallest N) first.
+
+    Read from the files rather than from the `checkpoint` index that
+    `tf.train.latest_checkpoint` reads: that index names the newest checkpoint even when
+    its files are gone, and is then taken for "no checkpoint", so deleting a damaged newest
+    checkpoint (or a damaged index) would make training start over instead of resuming from
+    the checkpoint before. TensorFlow writes a checkpoint's `.index` file after its data.
+    """
+    steps = [
+        int(match.group(1))
+        for name in tf.io.gfile.glob(str(Path(directory) / f"{CHECKPOINT_NAME}-*.index"))
+        if (match := re.fullmatch(rf"{CHECKPOINT_NAME}-(\d+)\.index", Path(name).name))
+    ]
+    return [str(Path(directory) / f"{CHECKPOINT_NAME}-{step}") for step in sorted(steps)]
+
+
+def latest_checkpoint(directory):
+    """The newest complete checkpoint of `directory` (see `checkpoints`), or None."""
+    found = checkpoints(directory)
+    return found[-1] if found else None
 
 
 def checkpoint_step(path):
@@ -180,15 +203,14 @@ def average_checkpoints(run_dir, last_n):
     """
     if last_n < 1:
         raise RunDirError(f"Cannot average the last {last_n} checkpoints; give a positive number.")
-    state = tf.train.get_checkpoint_state(str(Path(run_dir) / CHECKPOINT_DIR))
-    if state is None or not state.all_model_checkpoint_paths:
+    chosen = checkpoints(Path(run_dir) / CHECKPOINT_DIR)[-last_n:]
+    if not chosen:
         raise RunDirError(f"{run_dir} holds no checkpoint under {CHECKPOINT_DIR}/ to average.")
-    chosen = sorted(state.all_model_checkpoint_paths, key=checkpoint_step)[-last_n:]
     model = build_model(run_dir)
     checkpoint = tf.train.Checkpoint(model=model)
     totals = None
     for path in chosen:  # Oldest first: the non-averaged variables end up from the newest.
-        restore_model(checkpoint, path)
+        restore_checkpoint(checkpoint, path)
         values = [variable.numpy().astype("float64") for variable in model.trainable_variables]
         totals = values if totals is None else [total + value for total, value in zip(totals, values)]
     for variable, total in zip(model.trainable_variables, totals):
@@ -202,27 +224,36 @@ def average_checkpoints(run_dir, last_n):
 def load_model(run_dir, which="best", dtype=None):
     """The trained model of `run_dir` with the weights of checkpoint `which` (see `checkpoint_path`)."""
     model = build_model(run_dir, dtype=dtype)
-    restore_model(tf.train.Checkpoint(model=model), checkpoint_path(run_dir, which))
+    restore_checkpoint(tf.train.Checkpoint(model=model), checkpoint_path(run_dir, which))
     return model
 
 
-def restore_model(checkpoint, path):
-    """Restores `checkpoint` (holding the model) from `path`, which must hold every model weight.
+def restore_checkpoint(checkpoint, path, partial=True):
+    """Restores `checkpoint` from `path`, which must hold every variable `checkpoint` holds.
 
-    Training checkpoints also hold the optimizer, which is not needed here (hence
-    `expect_partial`); but a model weight missing from the checkpoint, as when
-    config.json describes another architecture, would otherwise stay random silently.
+    A variable missing from the file, as when config.json describes another
+    architecture, would otherwise stay random silently.
+
+    Args:
+        checkpoint: A `tf.train.Checkpoint`.
+        path: A checkpoint prefix.
+        partial: Whether values of the file that `checkpoint` does not hold are expected
+            (a training checkpoint holds the optimizer too, which translating does not
+            need), rather than warned about.
 
     Raises:
-        RunDirError: When the checkpoint cannot be read or does not fit the model.
+        RunDirError: When the checkpoint cannot be read or does not fit.
     """
     try:
-        checkpoint.restore(path).expect_partial().assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as error:
-        summary = str(error).splitlines()[0][:300]
+        status = checkpoint.restore(path)
+        if partial:
+            status.expect_partial()
+        status.assert_existing_objects_matched()
+    except Exception as error:  # TensorFlow raises anything from IndexError to DataLossError on a damaged file.
+        summary = (str(error).splitlines() or [""])[0][:300]
         raise RunDirError(
             f"Checkpoint {path} does not fit the model of {CONFIG_FILE} (another architecture, or a damaged "
-            f"file): {summary}"
+            f"file): {type(error).__name__}: {summary}"
         ) from None
 
 

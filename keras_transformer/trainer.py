@@ -48,7 +48,16 @@ import tensorflow as tf
 
 from keras_transformer import distribution
 from keras_transformer.losses import label_smoothed_cross_entropy, sum_over_replicas, token_accuracy
-from keras_transformer.run_dir import CHECKPOINT_DIR, CHECKPOINT_NAME, LOG_DIR, check_checkpointable
+from keras_transformer.run_dir import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_NAME,
+    LOG_DIR,
+    RunDirError,
+    check_checkpointable,
+    checkpoints,
+    latest_checkpoint,
+    restore_checkpoint,
+)
 from keras_transformer.schedule import DEFAULT_WARMUP_STEPS, TransformerSchedule, make_optimizer
 from keras_transformer.tokenizer import PAD_ID
 
@@ -217,10 +226,20 @@ class Trainer:
 
         Returns:
             The step to continue from (0 when there is no checkpoint).
+
+        Raises:
+            RunDirError: When the latest checkpoint cannot be restored.
         """
-        latest = tf.train.latest_checkpoint(str(self._checkpoint_dir))
-        if latest:
-            self.checkpoint.restore(latest).assert_existing_objects_matched()
+        found = checkpoints(self._checkpoint_dir)
+        if found:
+            try:
+                restore_checkpoint(self.checkpoint, found[-1], partial=False)
+            except RunDirError as error:
+                if len(found) > 1:
+                    advice = f"If only this file is damaged, delete {found[-1]}.* to resume from {found[-2]}."
+                else:
+                    advice = f"To train the run from the start, delete {self._checkpoint_dir}."
+                raise RunDirError(f"Cannot resume the run. {str(error).rstrip('.')}. {advice}") from None
             self._saved_step = int(self.step.numpy())
         return int(self.step.numpy())
 
@@ -250,7 +269,7 @@ class Trainer:
             return TrainingResult(start_step, start_step, False, 0.0, 0.0)
         if start_step:
             logger.info(
-                "Resuming from step %d (%s).", start_step, tf.train.latest_checkpoint(str(self._checkpoint_dir))
+                "Resuming from step %d (%s).", start_step, latest_checkpoint(self._checkpoint_dir)
             )
         logger.info(
             "Training %s (%s parameters) on %d replica(s) for %d steps%s.",

@@ -481,6 +481,64 @@ def test_a_checkpoint_path_that_does_not_exist_is_a_clear_error(tmp_path):
     assert run_dir.checkpoint_path(tmp_path, missing[:-1] + "5") == missing[:-1] + "5"
 
 
+def test_a_damaged_checkpoint_is_a_clear_error(tmp_path):
+    """A truncated file used to escape as a bare IndexError from TensorFlow's reader."""
+    path = _run_with_checkpoint(tmp_path)
+    with open(f"{path}.data-00000-of-00001", "r+b") as data_file:
+        data_file.truncate(100)
+    with pytest.raises(run_dir.RunDirError, match=f"Checkpoint {path} does not fit .* damaged file"):
+        run_dir.load_model(tmp_path, "latest")
+
+
+def _tiny_trainer(run, train_steps=4):
+    config = TrainingConfig(train_steps=train_steps, warmup_steps=20, log_every=1, checkpoint_every=2)
+    return Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+        run,
+        config,
+    )
+
+
+def test_a_damaged_latest_checkpoint_stops_the_resume_and_the_one_before_can_take_over(tmp_path):
+    """A damaged newest checkpoint is a clear error; once deleted, the run resumes from the one before.
+
+    With `tf.train.latest_checkpoint`, deleting it (or a damaged `checkpoint` index)
+    made the next run start over from step 0, over the checkpoints it had.
+    """
+    run = tmp_path / "run"
+    _tiny_trainer(run).fit(_synthetic_pairs_dataset)
+    directory = run / run_dir.CHECKPOINT_DIR
+    newest, previous = directory / "ckpt-4", directory / "ckpt-2"
+    with open(f"{newest}.data-00000-of-00001", "r+b") as data_file:
+        data_file.truncate(100)
+    with pytest.raises(run_dir.RunDirError) as raised:
+        _tiny_trainer(run).restore()
+    message = str(raised.value)
+    assert message.startswith(f"Cannot resume the run. Checkpoint {newest} does not fit"), message
+    assert message.endswith(f"If only this file is damaged, delete {newest}.* to resume from {previous}."), message
+
+    for stale in directory.glob("ckpt-4.*"):
+        stale.unlink()
+    (directory / "checkpoint").write_text("damaged {")
+    trainer = _tiny_trainer(run)
+    assert trainer.restore() == 2
+    expected = Transformer.from_preset("tiny", vocab_size=50)
+    expected.build()
+    tf.train.Checkpoint(model=expected).restore(str(previous)).expect_partial()
+    for actual, wanted in zip(trainer.model.weights, expected.weights, strict=True):
+        np.testing.assert_array_equal(actual.numpy(), wanted.numpy(), err_msg=actual.path)
+    assert trainer.fit(_synthetic_pairs_dataset).start_step == 2
+
+
+def test_a_damaged_only_checkpoint_says_how_to_start_over(tmp_path):
+    run = tmp_path / "run"
+    _tiny_trainer(run, train_steps=2).fit(_synthetic_pairs_dataset)
+    (run / run_dir.CHECKPOINT_DIR / "ckpt-2.index").write_bytes(b"not an index")
+    with pytest.raises(run_dir.RunDirError, match=f"To train the run from the start, delete {run / 'checkpoints'}\\.$"):
+        _tiny_trainer(run).restore()
+
+
 def test_devices_that_do_not_exist_are_refused():
     """This process never split its CPU: CPU:1 does not exist; nor does a GPU on a machine without one."""
     with pytest.raises(ValueError, match="Device CPU:1 does not exist: this process has 1 CPU device"):
