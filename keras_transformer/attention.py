@@ -24,7 +24,7 @@ import keras
 from keras import ops
 
 from keras_transformer.dropout import Dropout
-from keras_transformer.masks import MASKED_LOGIT, causal_mask, check_attention_mask, written_mask
+from keras_transformer.masks import MASKED_LOGIT, causal_mask, check_attention_mask, key_padding_mask, written_mask
 
 
 def _joined(tensors, axis):
@@ -79,6 +79,14 @@ class MultiHeadAttention(keras.layers.Layer):
             fixed; see `project_key_value`).
         cache_index: Scalar int position at which `value`'s first token is
             written into the cache.
+        value_mask, key_mask: Keras masks `[batch, source_length]` (`True` for real
+            tokens), which Keras fills in from the inputs' masks (e.g. from
+            `Embedding(mask_zero=True)`), as for `keras.layers.MultiHeadAttention`:
+            they hide padded keys, together with `attention_mask`. The output keeps
+            the query's Keras mask. Unlike Keras's layer, this one does not also mask
+            out the rows of padded queries: they attend to the real keys (the outputs
+            at real positions are the same). Ignored with a fixed-memory cache, like
+            `value` and `key`; not allowed with `cache_index`.
 
     Returns:
         `output` `[batch, target_length, output_dim]`; followed by the attention
@@ -115,6 +123,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.dropout = Dropout(dropout_rate, dtype=self.dtype_policy)
+        self.supports_masking = True  # reads the Keras masks of values and keys; the output keeps the query's
 
     def build(self, query_shape, value_shape=None, key_shape=None):
         d_model = query_shape[-1]
@@ -289,10 +298,19 @@ class MultiHeadAttention(keras.layers.Layer):
         training=None,
         cache=None,
         cache_index=None,
+        value_mask=None,
+        key_mask=None,
     ):
         if cache_index is not None and cache is None:
             raise ValueError("cache_index was given without a cache.")
         check_attention_mask(attention_mask)
+        if cache is not None and (value_mask is not None or key_mask is not None):
+            if cache_index is not None:
+                raise ValueError(
+                    "Keras masks of value/key cover the new tokens only, not the cache's positions; "
+                    "decode with attention_mask over the cache instead."
+                )
+            value_mask = key_mask = None  # a fixed memory ignores value and key, and so their masks
         if cache is not None and cache_index is None:  # a fixed, already projected memory
             query_heads = self._project(query, self.query_kernel, self.query_bias)
             key_heads, value_heads = cache["key"], cache["value"]
@@ -321,6 +339,9 @@ class MultiHeadAttention(keras.layers.Layer):
                 cache = {"key": key_heads, "value": value_heads}
 
         mask = attention_mask
+        padding = key_padding_mask(value_mask, key_mask)
+        if padding is not None:
+            mask = padding if mask is None else ops.logical_and(ops.cast(mask, "bool"), padding)
         visible = None
         query_length, key_length = ops.shape(query)[1], ops.shape(key_heads)[2]
         if use_causal_mask:

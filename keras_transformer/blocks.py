@@ -308,7 +308,9 @@ class DecoderLayer(_ResidualBlock):
         encoder_outputs: `[batch, source_length, d_model]`. Not used when
             `cache` holds the projected encoder memory.
         encoder_padding_mask: Boolean `[batch, source_length]` (or rank 3/4),
-            hiding source padding from the encoder-decoder attention.
+            hiding source padding from the encoder-decoder attention. A Keras mask
+            on `encoder_outputs` (e.g. from an `EncoderLayer` over
+            `Embedding(mask_zero=True)`) hides it as well.
         training: Whether dropout is active.
         cache: For incremental decoding, a dict `{"self": {"key", "value"},
             "cross": {"key", "value"}}` as made by `init_cache`.
@@ -322,6 +324,7 @@ class DecoderLayer(_ResidualBlock):
 
     def __init__(self, d_model, num_heads, d_ff, **kwargs):
         super().__init__(d_model, num_heads, d_ff, **kwargs)
+        self.supports_masking = True  # the output keeps the Keras mask of `inputs`
         self.self_attention = self._attention("self_attention")
         self.cross_attention = self._attention("cross_attention")
         self.self_attention_norm, self.self_attention_dropout = self._norm_and_dropout("self_attention")

@@ -45,6 +45,18 @@ def written_mask(key_length, written_length):
     return ops.reshape(ops.arange(key_length) < written_length, (1, 1, -1))
 
 
+def key_padding_mask(value_mask=None, key_mask=None):
+    """`[batch, 1, key_length]` mask from the Keras masks `[batch, key_length]` of the values and keys.
+
+    Both hide the positions they mark False (`keras.layers.MultiHeadAttention` does the
+    same). Returns None when neither is given.
+    """
+    masks = [ops.expand_dims(ops.cast(mask, "bool"), axis=1) for mask in (value_mask, key_mask) if mask is not None]
+    if not masks:
+        return None
+    return masks[0] if len(masks) == 1 else ops.logical_and(masks[0], masks[1])
+
+
 def check_attention_mask(mask):
     """Raises a clear error for a mask whose rank attention cannot broadcast."""
     if mask is None:

@@ -102,6 +102,50 @@ def test_padding_mask_hides_masked_keys():
     assert np.all(np.asarray(scores)[..., 4:] < 1e-6)
 
 
+def _padded_value(value, real_lengths=(7, 4)):
+    """`value` with zero rows after each sentence's real length, which `keras.layers.Masking` marks as padding."""
+    padded = value.copy()
+    for row, length in enumerate(real_lengths):
+        padded[row, length:] = 0.0
+    return padded
+
+
+def test_keras_masks_of_the_values_hide_padded_keys_as_in_keras_multi_head_attention():
+    """In someone's functional model, a Keras mask (here from `Masking`) hides padded keys, as in Keras's layer."""
+    ours, theirs, query, value = copied_pair(seed=8)
+    value = _padded_value(value)
+    query_input, value_input = keras.Input((5, D_MODEL)), keras.Input((7, D_MODEL))
+    masked_value = keras.layers.Masking(0.0)(value_input)
+    ours_model, theirs_model = (
+        keras.Model([query_input, value_input], layer(query_input, masked_value)) for layer in (ours, theirs)
+    )
+    out = ours_model([query, value])
+    np.testing.assert_allclose(out, theirs_model([query, value]), atol=1e-5)
+    key_padding = (np.arange(7)[None, :] < np.array([7, 4])[:, None])[:, None, :]
+    np.testing.assert_allclose(out, ours(query, value, attention_mask=key_padding), atol=1e-6)
+    assert not np.allclose(out, ours(query, value), atol=1e-3)  # the mask matters here
+
+
+def test_the_output_keeps_the_keras_mask_of_the_query():
+    """A masked pooling after the attention averages the real query positions only."""
+    ours, _, query, value = copied_pair(seed=9)
+    query = _padded_value(query, real_lengths=(5, 2))
+    query_input, value_input = keras.Input((5, D_MODEL)), keras.Input((7, D_MODEL))
+    attended = ours(keras.layers.Masking(0.0)(query_input), value_input)
+    pooled = keras.Model([query_input, value_input], keras.layers.GlobalAveragePooling1D()(attended))
+    out = np.asarray(ours(query, value))
+    expected = np.stack([out[0].mean(axis=0), out[1, :2].mean(axis=0)])
+    np.testing.assert_allclose(pooled([query, value]), expected, atol=1e-5)
+
+
+def test_keras_masks_with_a_growing_cache_are_a_clear_error():
+    ours, _, query, _ = copied_pair(seed=10)
+    cache = ours.empty_cache(2, 8)
+    masked = keras.layers.Masking(0.0)(query[:, :1])
+    with pytest.raises(ValueError, match="Keras masks of value/key cover the new tokens only"):
+        ours(masked, masked, use_causal_mask=True, cache=cache, cache_index=0)
+
+
 def test_cache_gives_the_same_outputs_as_full_causal_attention():
     ours, _, query, _ = copied_pair(seed=4)
     full = np.asarray(ours(query, query, use_causal_mask=True))

@@ -1,6 +1,8 @@
 """The blocks: the feed-forward network by its formula, LayerNorm and `rowwise` against Keras's
 layer, and the residual wiring of the encoder and decoder layers against the paper's formulas."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -189,3 +191,41 @@ def test_attention_scores_are_outputs_of_keras_functional_models():
         assert spec.dtype == expected.dtype
         assert all(s is None or s == e for s, e in zip(spec.shape, expected.shape, strict=True))
         np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def _seq2seq_with_keras_masks(encoder, decoder, vocab=20, d_model=8):
+    """Someone's functional encoder-decoder whose padding travels as Keras masks (`mask_zero=True`) only."""
+    source_ids, target_ids = keras.Input((6,), dtype="int32"), keras.Input((5,), dtype="int32")
+    embedding = keras.layers.Embedding(vocab, d_model, mask_zero=True)
+    decoded = decoder(embedding(target_ids), encoder(embedding(source_ids)))
+    return keras.Model([source_ids, target_ids], keras.layers.GlobalAveragePooling1D()(decoded)), embedding
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
+def test_keras_masks_flow_through_encoder_and_decoder_layers_without_warnings(norm_first):
+    """The decoder's cross-attention hides the source padding that the encoder output's Keras mask marks.
+
+    Reference: the same layers called eagerly with the masks passed explicitly, and a
+    numpy mean over the real target positions for the masked pooling.
+    """
+    encoder = EncoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
+    decoder = DecoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, embedding = _seq2seq_with_keras_masks(encoder, decoder)
+    assert not [str(w.message) for w in caught if "mask" in str(w.message)]
+
+    rng = np.random.default_rng(11)
+    source = rng.integers(1, 20, size=(2, 6))
+    source[0, 3:] = 0
+    target = rng.integers(1, 20, size=(2, 5))
+    target[1, 2:] = 0
+    source_real, target_real = source != 0, target != 0
+    # numpy arrays carry no Keras masks: only the explicit ones apply.
+    source_embedded, target_embedded = np.asarray(embedding(source)), np.asarray(embedding(target))
+    memory = np.asarray(encoder(source_embedded, padding_mask=source_real))
+    decoded = np.asarray(decoder(target_embedded, memory, encoder_padding_mask=source_real))
+    expected = np.stack([decoded[i][target_real[i]].mean(axis=0) for i in range(2)])
+    np.testing.assert_allclose(model([source, target]), expected, atol=1e-5)
+    attending_to_padding = np.asarray(decoder(target_embedded, memory))
+    assert not np.allclose(decoded[0], attending_to_padding[0], atol=1e-4)  # the source padding matters
