@@ -37,6 +37,7 @@ class _Stack(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.supports_masking = True  # the blocks read the Keras mask of the inputs; the output keeps it
         if not isinstance(num_layers, int) or num_layers <= 0:
             raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}.")
         check_model_dims(d_model, num_heads, d_ff, dropout_rate)

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from keras_transformer.blocks import DecoderLayer, EncoderLayer, FeedForward, LayerNormalization, rowwise
+from keras_transformer.model import Decoder, Encoder
 
 SHAPE = (3, 5, 8)
 
@@ -201,15 +202,20 @@ def _seq2seq_with_keras_masks(encoder, decoder, vocab=20, d_model=8):
     return keras.Model([source_ids, target_ids], keras.layers.GlobalAveragePooling1D()(decoded)), embedding
 
 
+@pytest.mark.parametrize("stack", [False, True], ids=["layers", "stacks"])
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
-def test_keras_masks_flow_through_encoder_and_decoder_layers_without_warnings(norm_first):
+def test_keras_masks_flow_through_encoder_and_decoder_layers_without_warnings(norm_first, stack):
     """The decoder's cross-attention hides the source padding that the encoder output's Keras mask marks.
 
     Reference: the same layers called eagerly with the masks passed explicitly, and a
     numpy mean over the real target positions for the masked pooling.
     """
-    encoder = EncoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
-    decoder = DecoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
+    if stack:
+        encoder = Encoder(2, 8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
+        decoder = Decoder(2, 8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
+    else:
+        encoder = EncoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
+        decoder = DecoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, embedding = _seq2seq_with_keras_masks(encoder, decoder)
