@@ -24,7 +24,7 @@ import keras
 from keras import ops
 
 from keras_transformer.dropout import Dropout
-from keras_transformer.masks import MASKED_LOGIT, causal_mask, check_attention_mask, key_padding_mask, written_mask
+from keras_transformer.masks import MASKED_LOGIT, causal_mask, check_attention_mask, intersect, written_mask
 
 
 def _joined(tensors, axis):
@@ -338,10 +338,6 @@ class MultiHeadAttention(keras.layers.Layer):
                 )
                 cache = {"key": key_heads, "value": value_heads}
 
-        mask = attention_mask
-        padding = key_padding_mask(value_mask, key_mask)
-        if padding is not None:
-            mask = padding if mask is None else ops.logical_and(ops.cast(mask, "bool"), padding)
         visible = None
         query_length, key_length = ops.shape(query)[1], ops.shape(key_heads)[2]
         if use_causal_mask:
@@ -351,8 +347,9 @@ class MultiHeadAttention(keras.layers.Layer):
             # The buffer's slots after the newest token hold no key yet (the causal
             # mask hides them too).
             visible = written_mask(key_length, cache_index + query_length)
-        if visible is not None:
-            mask = visible if mask is None else ops.logical_and(ops.cast(mask, "bool"), visible)
+        # Keras masks `[batch, key_length]` hide padded keys from every query.
+        key_padding = [ops.expand_dims(m, axis=1) for m in (value_mask, key_mask) if m is not None]
+        mask = intersect(attention_mask, *key_padding, visible)
 
         output, scores = self._attend(query_heads, key_heads, value_heads, mask, training)
         outputs = (output,)

@@ -7,6 +7,8 @@ instead of NaN). Logits are float32 when the mask is applied, so -1e9 is safe
 whatever the layer's compute dtype.
 """
 
+import functools
+
 from keras import ops
 
 MASKED_LOGIT = -1e9
@@ -45,16 +47,13 @@ def written_mask(key_length, written_length):
     return ops.reshape(ops.arange(key_length) < written_length, (1, 1, -1))
 
 
-def key_padding_mask(value_mask=None, key_mask=None):
-    """`[batch, 1, key_length]` mask from the Keras masks `[batch, key_length]` of the values and keys.
+def intersect(*masks):
+    """What every given mask lets attend (their logical AND, broadcast); None entries are skipped.
 
-    Both hide the positions they mark False (`keras.layers.MultiHeadAttention` does the
-    same). Returns None when neither is given.
+    Returns None when no mask is given.
     """
-    masks = [ops.expand_dims(ops.cast(mask, "bool"), axis=1) for mask in (value_mask, key_mask) if mask is not None]
-    if not masks:
-        return None
-    return masks[0] if len(masks) == 1 else ops.logical_and(masks[0], masks[1])
+    present = [ops.cast(mask, "bool") for mask in masks if mask is not None]
+    return functools.reduce(ops.logical_and, present) if present else None
 
 
 def check_attention_mask(mask):
