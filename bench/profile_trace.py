@@ -165,7 +165,9 @@ def profile_training(args) -> tuple[str, dict]:
     else:
         ops = summarize_training(logdir, args.steps)
     summary = {
-        "config": {"preset": args.preset, "precision": args.precision, "jit": args.jit, "impl": args.impl, "batch": batch},
+        "config": {
+            "preset": args.preset, "precision": args.precision, "jit": args.jit, "impl": args.impl, "batch": batch
+        },
         "step_s_under_profiler": round(runner.times[-1], 3),
         **ops,
     }

@@ -496,7 +496,6 @@ def _search_transformer(
     row_max_lengths = tf.maximum(row_max_lengths, 1)
 
     beam_source_mask = expand_to_beams(source_mask, beam_size)
-    cache_lengths = extend_cache_fn = None
     if use_cache:
         # The self-attention buffers grow with the output (see doubling_cache_lengths).
         cache_lengths = doubling_cache_lengths(buffer_length)
@@ -523,6 +522,7 @@ def _search_transformer(
     else:
         beam_encoder_outputs = expand_to_beams(encoder_outputs, beam_size)
         initial_cache = ()
+        cache_lengths = extend_cache_fn = None
 
         def symbols_to_logits_fn(ids, step, no_cache):
             logits = model.decode(

@@ -55,7 +55,6 @@ from keras_transformer.run_dir import (
     RunDirError,
     check_checkpointable,
     checkpoints,
-    latest_checkpoint,
     restore_checkpoint,
 )
 from keras_transformer.schedule import DEFAULT_WARMUP_STEPS, TransformerSchedule, make_optimizer
@@ -241,6 +240,7 @@ class Trainer:
                     advice = f"To train the run from the start, delete {self._checkpoint_dir}."
                 raise RunDirError(f"Cannot resume the run. {str(error).rstrip('.')}. {advice}") from None
             self._saved_step = int(self.step.numpy())
+            logger.info("Restored step %d from %s.", self._saved_step, found[-1])
         return int(self.step.numpy())
 
     def save(self):
@@ -267,10 +267,6 @@ class Trainer:
         if start_step >= config.train_steps:
             logger.info("Already trained %d of %d steps; nothing to do.", start_step, config.train_steps)
             return TrainingResult(start_step, start_step, False, 0.0, 0.0)
-        if start_step:
-            logger.info(
-                "Resuming from step %d (%s).", start_step, latest_checkpoint(self._checkpoint_dir)
-            )
         logger.info(
             "Training %s (%s parameters) on %d replica(s) for %d steps%s.",
             type(self.model).__name__,

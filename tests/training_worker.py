@@ -91,7 +91,8 @@ def train(strategy, run_dir):
 
 def _weights(model):
     """Trainable weights by position and name (names differ between models of a process)."""
-    return {f"{index:03d}_{variable.name}": variable.numpy() for index, variable in enumerate(model.trainable_variables)}
+    variables = enumerate(model.trainable_variables)
+    return {f"{index:03d}_{variable.name}": variable.numpy() for index, variable in variables}
 
 
 def main(mode, output, run_dir):
