@@ -48,9 +48,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--beam-size",
         type=int,
-        help=f"Beam size (default: the run's, else {DEFAULT_BEAM_SIZE}; 1 is greedy).",
+        help=f"Beam size (default: the run's or the export's, else {DEFAULT_BEAM_SIZE}; 1 is greedy).",
     )
-    parser.add_argument("--alpha", type=float, help=f"Length penalty (default: the run's, else {DEFAULT_ALPHA}).")
+    parser.add_argument(
+        "--alpha", type=float, help=f"Length penalty (default: the run's or the export's, else {DEFAULT_ALPHA})."
+    )
     parser.add_argument(
         "--max-length", type=int, help="Most output tokens (default: source length + 50)."
     )
@@ -104,16 +106,14 @@ def load_translator(args):
     return module, module.signatures()
 
 
-def translate_fn(module, signatures, args):
+def translate_fn(signatures, args):
     """`text [batch] -> outputs` through the signature the options need."""
     if not wants_options(args):
         return lambda text: signatures["serving_default"](text=text)
-    # Unset options: those of serving_default (a run's own for an in-process Translator).
-    beam_size = getattr(module, "beam_size", DEFAULT_BEAM_SIZE) if args.beam_size is None else args.beam_size
-    alpha = getattr(module, "alpha", DEFAULT_ALPHA) if args.alpha is None else args.alpha
+    # Unset options (0, -1.0) are serving_default's own: the export's, or the run's.
     options = {
-        "beam_size": tf.constant(beam_size),
-        "alpha": tf.constant(alpha, tf.float32),
+        "beam_size": tf.constant(args.beam_size or 0),
+        "alpha": tf.constant(-1.0 if args.alpha is None else args.alpha, tf.float32),
         "max_length": tf.constant(args.max_length or 0),
     }
     return lambda text: signatures["translate_with_options"](text=text, **options)
@@ -177,7 +177,7 @@ def main(argv=None):
         module, signatures = load_translator(args)  # `module` must outlive the signatures.
     except BadRunDirError as error:
         return fail(error)
-    translate = translate_fn(module, signatures, args)
+    translate = translate_fn(signatures, args)
     for index, batch in enumerate(batches(sentences, args.batch_size)):
         print_results(translate(tf.constant(batch, dtype=tf.string)), index * args.batch_size, args)
         sys.stdout.flush()

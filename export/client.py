@@ -9,7 +9,8 @@ REST, TF Serving's JSON API (`POST /v1/models/NAME[/versions/N]:predict`):
   dimension, which the row format requires): `{"signature_name":
   "translate_with_options", "inputs": {"text": [...], "beam_size": 4, "alpha": 0.6,
   "max_length": 0}}` -> `{"outputs": {"translation": [...], "score": [...],
-  "translations": [[...]], "scores": [[...]]}}`.
+  "translations": [[...]], "scores": [[...]]}}`; `beam_size` 0 and a negative `alpha`
+  stand for `serving_default`'s own.
 
 gRPC: `tensorflow_serving.apis`' `PredictionService.Predict` with the same signatures
 (needs the `serving` extra: `tensorflow-serving-api`).
@@ -176,9 +177,10 @@ def request_options(args):
         and not args.n_best
     ):
         return None
+    # 0 and -1.0 ask for the served model's own beam size and length penalty.
     return {
-        "beam_size": 4 if args.beam_size is None else args.beam_size,
-        "alpha": 0.6 if args.alpha is None else args.alpha,
+        "beam_size": 0 if args.beam_size is None else args.beam_size,
+        "alpha": -1.0 if args.alpha is None else args.alpha,
         "max_length": 0 if args.max_length is None else args.max_length,
     }
 

@@ -191,9 +191,9 @@ class Translator(tf.Module):
 
         Args:
             text: tf.string `[batch]`, UTF-8 sentences.
-            beam_size: int32 scalar, clipped to `[1, MAX_BEAM_SIZE]`; also the number
-                of hypotheses returned per sentence.
-            alpha: float32 scalar, the length penalty.
+            beam_size: int32 scalar, at most `MAX_BEAM_SIZE`; 0 or less for
+                `translate`'s own. Also the number of hypotheses returned per sentence.
+            alpha: float32 scalar, the length penalty; negative for `translate`'s own.
             max_length: int32 scalar, most output tokens (EOS included) on top of the
                 source length + `max_extra_length` limit; 0 or less for no extra cap.
 
@@ -204,7 +204,10 @@ class Translator(tf.Module):
             n-best list, best first; a slot without a hypothesis holds "" and
             `decoding.NEG_INF`).
         """
-        beam_size = tf.clip_by_value(beam_size, 1, MAX_BEAM_SIZE)
+        # Unset (0, negative) means `translate`'s settings: a client of an exported model
+        # has no other way to ask for them, as they are not in the signature.
+        beam_size = tf.minimum(tf.where(beam_size > 0, beam_size, self.beam_size), MAX_BEAM_SIZE)
+        alpha = tf.where(alpha >= 0.0, alpha, self.alpha)
         max_length = tf.where(max_length > 0, max_length, tf.int32.max)
         source_ids, blank = self._source_ids(text)
         hypotheses = decoding.beam_search(

@@ -5,6 +5,7 @@ against local servers on 127.0.0.1 that evaluate the SavedModel, so the request 
 response formats are exercised end to end.
 """
 
+import contextlib
 import http.server
 import importlib.util
 import json
@@ -306,7 +307,7 @@ def test_long_inputs_are_translated_from_their_first_tokens(served, tiny_transla
 
 def test_options_out_of_range_are_clipped_not_fatal(served, sentences):
     signature = served["translate_with_options"]
-    for beam_size, width in ((0, 1), (-3, 1), (1000, 16)):
+    for beam_size, width in ((1000, 16), (-3, 4)):  # -3: unset, serving_default's 4
         outputs = translate(
             signature, sentences[:2] + [BAD_INPUTS[0]], beam_size=beam_size, alpha=0.6, max_length=0
         )
@@ -317,6 +318,37 @@ def test_options_out_of_range_are_clipped_not_fatal(served, sentences):
         served["translate_with_options"], sentences[:2], beam_size=1, alpha=0.6, max_length=0
     )
     assert greedy["translations"].shape == (2, 1)
+
+
+@pytest.fixture(scope="module")
+def served_beam_2(tiny_translation_run, tmp_path_factory):
+    """`(version directory, signatures)` of an export with beam 2 and alpha 1.0 for serving_default."""
+    base = tmp_path_factory.mktemp("models") / MODEL_NAME
+    version_dir = export.export_run(tiny_translation_run, base, log=lambda line: None, beam_size=2, alpha=1.0)
+    module = tf.saved_model.load(str(version_dir))
+    return version_dir, module, module.signatures
+
+
+def test_unset_options_are_the_exports_own_beam_size_and_length_penalty(served_beam_2, sentences, capsys):
+    version_dir, _, signatures = served_beam_2
+    options = signatures["translate_with_options"]
+    unset = translate(options, sentences[:6], beam_size=0, alpha=-1.0, max_length=0)
+    given = translate(options, sentences[:6], beam_size=2, alpha=1.0, max_length=0)
+    assert unset["translations"].shape == (6, 2)
+    assert (unset["translations"] == given["translations"]).all()
+    np.testing.assert_array_equal(unset["scores"], given["scores"])
+    default = translate(signatures["serving_default"], sentences[:6])
+    assert (unset["translation"] == default["translation"]).all()
+    # Another length penalty changes some score: alpha=-1.0 above was not taken literally.
+    no_penalty = translate(options, sentences[:6], beam_size=2, alpha=0.0, max_length=0)
+    assert not np.allclose(no_penalty["scores"], given["scores"])
+
+    # translate.py's unset --beam-size and --alpha are the export's too, not 4 and 0.6.
+    cli = load_translate_cli()
+    assert cli.main(["--saved-model", str(version_dir), "--n-best", sentences[0]]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" ||| ")[0] for line in lines] == ["0", "0"]
+    assert lines[0].split(" ||| ")[1] == default["translation"][0].decode()
 
 
 # ---------------------------------------------------------------------------
@@ -366,15 +398,24 @@ class PredictHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def rest_server(served):
+@contextlib.contextmanager
+def serving_rest(signatures):
+    """The base URL of a local REST server answering predict requests with `signatures`."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PredictHandler)
-    server.signatures = served
+    server.signatures = signatures
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def rest_server(served):
+    with serving_rest(served) as url:
+        yield url
 
 
 def test_rest_client_row_and_columnar_requests(rest_server, translator, sentences):
@@ -398,6 +439,15 @@ def test_client_cli_prints_translations(rest_server, translator, sentences, caps
     )
     expected = translate(translator.translate, sentences[:2])["translation"]
     assert capsys.readouterr().out.splitlines() == [t.decode() for t in expected]
+
+
+def test_client_cli_n_best_uses_the_served_models_own_beam_size(served_beam_2, sentences, capsys):
+    _, _, signatures = served_beam_2
+    with serving_rest(signatures) as url:
+        assert client.main(["--rest", url, "--model", MODEL_NAME, "--n-best", sentences[0]]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    best = translate(signatures["serving_default"], sentences[:1])["translation"][0].decode()
+    assert len(lines) == 2 and lines[0].startswith(f"0 ||| {best} ||| ")
 
 
 @pytest.fixture(scope="module")
