@@ -130,14 +130,14 @@ def seed(text):
 
 def positive_float(text):
     value = float(text)
-    if not value > 0:
+    if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
 def non_negative_float(text):
     value = float(text)
-    if not value >= 0:
+    if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"must be 0 or a positive number, got {text}")
     return value
 
@@ -299,6 +299,9 @@ def resolve_settings(args):
         settings["epochs"] = None
     if settings["max_minutes"] == 0:
         settings["max_minutes"] = None
+    if settings["max_length"] < 2:
+        raise SettingsError(f"--max-length {settings['max_length']} leaves no room for a token and EOS; use 2 or more.")
+    _check_beam_size(settings["beam_size"])
     if settings["token_budget"] < settings["max_length"]:
         raise SettingsError(
             f"--token-budget ({settings['token_budget']}) must be at least --max-length "
@@ -353,6 +356,14 @@ def _check_no_orphan_state(run):
     if run_dir_lib.tokenizer_path(run).is_file():
         logger.warning("%s holds %s but no %s (an interrupted start): starting the run with that vocabulary.",
                        run, run_dir_lib.TOKENIZER_FILE, run_dir_lib.CONFIG_FILE)
+
+
+def _check_beam_size(beam_size):
+    from keras_transformer.translator import MAX_BEAM_SIZE
+
+    if beam_size > MAX_BEAM_SIZE:
+        # The run's translators (translate.py, export) use the saved beam size.
+        raise SettingsError(f"--beam-size is at most {MAX_BEAM_SIZE}, got {beam_size}.")
 
 
 def _check_direction(settings):
@@ -496,7 +507,18 @@ def _vocabulary_error(settings, error):
     )
 
 
-def steps_for_epochs(corpus, tokenizer, settings, num_replicas):
+def _no_training_pairs(run, settings):
+    dropped = "an empty side" if settings["long_sentences"] == "truncate" else (
+        f"an empty side or one longer than --max-length {settings['max_length']} allows "
+        f"({settings['max_length'] - 1} tokens)"
+    )
+    return (
+        f"No training pair is left: every pair of the {settings['dataset']} training data has {dropped}. "
+        f"--max-length is saved with the run: to train with another, delete {run} first."
+    )
+
+
+def steps_for_epochs(run, corpus, tokenizer, settings, num_replicas):
     """Steps of `settings["epochs"]` passes: per-replica batches of one epoch / replicas."""
     from keras_transformer import data
 
@@ -505,6 +527,8 @@ def steps_for_epochs(corpus, tokenizer, settings, num_replicas):
         long_sentences=settings["long_sentences"], seed=settings["seed"],
     )
     per_epoch = int(batches.reduce(0, lambda count, _: count + 1))
+    if not per_epoch:
+        raise SettingsError(_no_training_pairs(run, settings))
     steps = max(1, math.ceil(settings["epochs"] * per_epoch / num_replicas))
     logger.info("%g epochs = %d steps (%d batches per epoch over %d replica(s)).", settings["epochs"], steps,
                 per_epoch, num_replicas)
@@ -533,7 +557,6 @@ def average_if_better(run, corpus, settings):
     import shutil
 
     from keras_transformer import evaluation, run_dir as run_dir_lib
-    from keras_transformer.tokenizer import SubwordTokenizer
 
     path, averaged = run_dir_lib.average_checkpoints(run, settings["average_last"])
     logger.info("Averaged the last %d checkpoints (%s) into %s", len(averaged),
@@ -541,7 +564,7 @@ def average_if_better(run, corpus, settings):
     pairs = list(corpus.validation or [])[: settings["bleu_sentences"]]
     if len(averaged) < 2 or not pairs:
         return
-    tokenizer = SubwordTokenizer.load(run_dir_lib.tokenizer_path(run))
+    tokenizer = run_dir_lib.load_tokenizer(run)
     sources, references = (list(side) for side in zip(*pairs))
     scores = {}
     for which in ("averaged", "latest"):
@@ -563,7 +586,6 @@ def final_evaluation(run, corpus, settings):
     import tensorflow as tf
 
     from keras_transformer import evaluation, run_dir as run_dir_lib
-    from keras_transformer.tokenizer import SubwordTokenizer
 
     if settings["average_last"]:
         average_if_better(run, corpus, settings)
@@ -574,7 +596,7 @@ def final_evaluation(run, corpus, settings):
     model = run_dir_lib.load_model(run, which)
     # "averaged/ckpt-N" or "checkpoints/ckpt-N": which of the two was kept matters.
     name = "/".join(Path(which).parts[-2:])
-    tokenizer = SubwordTokenizer.load(run_dir_lib.tokenizer_path(run))
+    tokenizer = run_dir_lib.load_tokenizer(run)
     sources, references = (list(side) for side in zip(*corpus.test))
     started = time.monotonic()
     logger.info("Translating %d test sentences with %s (beam %d, alpha %g)...", len(sources), name,
@@ -629,7 +651,7 @@ def train(args):
     from keras_transformer import data, evaluation, run_dir as run_dir_lib
     from keras_transformer.model import Transformer
     from keras_transformer.tokenizer import SubwordTokenizer
-    from keras_transformer.trainer import Trainer, TrainingConfig, format_duration
+    from keras_transformer.trainer import EmptyDatasetError, Trainer, TrainingConfig, format_duration
 
     tf.get_logger().setLevel("ERROR")
     # Seeding drops TensorFlow's kernel cache, which holds tokenizer resources: seed first.
@@ -639,7 +661,7 @@ def train(args):
     is_chief = distribution.is_chief(strategy)
     tokenizer = prepare_tokenizer(run, corpus, settings, strategy)
     if settings["epochs"] is not None:
-        settings["train_steps"] = steps_for_epochs(corpus, tokenizer, settings, strategy.num_replicas_in_sync)
+        settings["train_steps"] = steps_for_epochs(run, corpus, tokenizer, settings, strategy.num_replicas_in_sync)
 
     def model_fn(dtype):
         if saved_config is not None and "model" in saved_config:  # Not yet when the start was interrupted.
@@ -683,7 +705,10 @@ def train(args):
             input_context=input_context,
         )
 
-    result = trainer.fit(dataset_fn)
+    try:
+        result = trainer.fit(dataset_fn)
+    except EmptyDatasetError:
+        raise SettingsError(_no_training_pairs(run, settings)) from None
     if result.step > result.start_step:
         logger.info("Trained steps %d-%d in %s; %s target tokens/s.", result.start_step + 1, result.step,
                     format_duration(result.seconds), f"{result.tokens_per_second:,.0f}")

@@ -19,6 +19,7 @@ directory or a model base directory (its highest version is used) is loaded with
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,7 @@ DEFAULT_ALPHA = 0.6
 
 
 class BadRunDirError(Exception):
-    """A --run-dir (or its --checkpoint) that cannot be loaded: `RunDirError`, for main to report."""
+    """A --run-dir, --checkpoint or --beam-size the in-process `Translator` cannot load with, for main to report."""
 
 
 def parse_args(argv=None):
@@ -73,6 +74,12 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error("--batch-size must be at least 1.")
+    if args.beam_size is not None and args.beam_size < 1:
+        parser.error("--beam-size must be at least 1.")
+    if args.alpha is not None and args.alpha < 0:
+        parser.error("--alpha must be 0 or more.")
+    if args.max_length is not None and args.max_length < 1:
+        parser.error("--max-length must be at least 1.")
     if args.jit_compile and (args.saved_model or args.n_best or args.max_length is not None):
         parser.error("--jit-compile goes with --run-dir, without --n-best and --max-length.")
     return args
@@ -101,7 +108,7 @@ def load_translator(args):
     options = {name: value for name, value in given.items() if value is not None}
     try:
         module = Translator.from_run_dir(args.run_dir, args.checkpoint, jit_compile=args.jit_compile, **options)
-    except RunDirError as error:
+    except (RunDirError, ValueError) as error:  # ValueError: a --beam-size over the translator's limit.
         raise BadRunDirError(error) from None
     return module, module.signatures()
 
@@ -133,7 +140,8 @@ def version_directory(path):
 def read_sentences(args):
     """Sentences as UTF-8 bytes (invalid bytes are passed on; the translator copes)."""
     if args.sentences:
-        return [sentence.encode() for sentence in args.sentences]
+        # fsencode: the bytes as given, also those that are not UTF-8.
+        return [os.fsencode(sentence) for sentence in args.sentences]
     lines = open(args.input, "rb") if args.input else sys.stdin.buffer
     with lines:
         return [line.rstrip(b"\r\n") for line in lines]

@@ -71,10 +71,9 @@ def load_model(args):
     """(model, tokenizer or None, description)."""
     if args.run_dir:
         from keras_transformer import run_dir
-        from keras_transformer.tokenizer import SubwordTokenizer
 
         model = run_dir.load_model(args.run_dir)
-        tokenizer = SubwordTokenizer.load(run_dir.tokenizer_path(args.run_dir))
+        tokenizer = run_dir.load_tokenizer(args.run_dir)
         return model, tokenizer, {"run_dir": str(args.run_dir), "random_model": False}
     model = Transformer.from_preset(args.random_preset, args.vocab_size)
     model.build()

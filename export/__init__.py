@@ -97,10 +97,13 @@ def export_run(
         The version directory.
 
     Raises:
-        ExportError: If the version exists or the reloaded model is not the in-process one.
+        ExportError: If the version is negative or exists, or the reloaded model is not the
+            in-process one.
     """
     out = Path(out)
     version = next_version(out) if version is None else version
+    if version < 0:
+        raise ExportError(f"TF Serving loads versions numbered 0 or more, not {version}.")
     final = out / str(version)
     if final.exists():
         raise ExportError(

@@ -98,8 +98,8 @@ def make_training_dataset(
         Pairs with an empty side are dropped.
 
     Raises:
-        ValueError: For a `token_budget` smaller than `max_length`, or an unknown
-            `long_sentences`.
+        ValueError: For a `max_length` below 2, a `token_budget` smaller than
+            `max_length`, or an unknown `long_sentences`.
     """
     if long_sentences not in ("filter", "truncate"):
         raise ValueError(f"long_sentences must be 'filter' or 'truncate', got {long_sentences!r}.")
@@ -150,7 +150,11 @@ def make_translation_dataset(
     Returns:
         A dataset of int32 `source_ids` of shape `[batch, length]`, ending with EOS and
         padded with `PAD_ID`.
+
+    Raises:
+        ValueError: For a `max_length` below 2.
     """
+    _check_max_length(max_length)
 
     def encode(strings):
         ids = tokenizer.tokenize(strings)[:, : max_length - 1]
@@ -162,6 +166,11 @@ def make_translation_dataset(
         .map(encode, num_parallel_calls=tf.data.AUTOTUNE)
         .prefetch(tf.data.AUTOTUNE)
     )
+
+
+def _check_max_length(max_length):
+    if max_length < 2:
+        raise ValueError(f"max_length must leave room for a token and EOS (at least 2), got {max_length}.")
 
 
 def encode_pairs(
@@ -180,7 +189,11 @@ def encode_pairs(
 
     Returns:
         A dataset of 1-D int32 tensors, in input order, without pairs with an empty side.
+
+    Raises:
+        ValueError: For a `max_length` below 2.
     """
+    _check_max_length(max_length)
     longest_text = max_length - 1  # Room for the EOS or BOS.
 
     def encode_chunk(sources, targets):

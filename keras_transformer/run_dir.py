@@ -4,9 +4,10 @@ Layout:
 
     RUN/config.json          {"model": Transformer config, "data": {...}, "train": {...}}
     RUN/tokenizer.model      the shared subword vocabulary (SentencePiece proto)
-    RUN/checkpoints/ckpt-N*  tf.train.Checkpoint(model, optimizer, step) after step N, the last K kept
+    RUN/checkpoints/ckpt-N*  tf.train.Checkpoint(model, optimizer, step, random_state: the dropout seeds)
+                             after step N, the last K kept
     RUN/averaged/ckpt-N*     tf.train.Checkpoint(model): the mean of the last checkpoints up to step N
-    RUN/logs/                TensorBoard event files (train/, validation/)
+    RUN/logs/                TensorBoard event files (train/, validation/, test/)
     RUN/translations/        final translations of the test split, one line per sentence
 
 Checkpoint averaging (section 6.1: the mean of the last 5 checkpoints for base models,
@@ -17,12 +18,13 @@ and `checkpoint_path(run_dir, "best")` prefers it unless training has gone past 
 import json
 import os
 import re
-import tempfile
+import uuid
 from pathlib import Path
 
 import tensorflow as tf
 
 from keras_transformer.model import Transformer
+from keras_transformer.tokenizer import SubwordTokenizer
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"
@@ -62,9 +64,11 @@ def write_config(run_dir, config):
     """Writes `RUN/config.json` atomically: an interruption leaves the old file or the new one, never half of one."""
     path = Path(run_dir) / CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    file, temporary = tempfile.mkstemp(prefix=f".{CONFIG_FILE}.", dir=path.parent)
+    # Not mkstemp, whose files only their owner can read: made like the run's other
+    # files, so that others who can read the checkpoints can load the run.
+    temporary = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.{uuid.uuid4().hex}")
     try:
-        with os.fdopen(file, "w") as text:
+        with open(temporary, "x") as text:
             text.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
         os.replace(temporary, path)
     except BaseException:
@@ -270,3 +274,20 @@ def translation_settings(run_dir):
 
 def tokenizer_path(run_dir):
     return Path(run_dir) / TOKENIZER_FILE
+
+
+def load_tokenizer(run_dir):
+    """The run's `SubwordTokenizer`.
+
+    Raises:
+        RunDirError: If `RUN/tokenizer.model` is missing or not a SentencePiece model.
+    """
+    path = tokenizer_path(run_dir)
+    if not path.is_file():
+        raise RunDirError(f"{run_dir} has no {TOKENIZER_FILE}: it is not a run directory, or training did not get "
+                          "as far as the vocabulary.")
+    try:
+        return SubwordTokenizer.load(path)
+    except (RuntimeError, ValueError, tf.errors.OpError) as error:
+        summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RunDirError(f"{path} is not a readable SentencePiece model of this project: {summary}") from None

@@ -113,6 +113,10 @@ class TrainingConfig:
             raise ValueError(f"mixed_precision must be one of {list(DTYPE_POLICIES)}, got {self.mixed_precision!r}.")
 
 
+class EmptyDatasetError(ValueError):
+    """The training dataset of a worker gave no batch at all."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingResult:
     """What a call of `Trainer.fit` did.
@@ -260,6 +264,10 @@ class Trainer:
         Returns:
             A `TrainingResult`. On KeyboardInterrupt, a checkpoint is written and the
             exception re-raised.
+
+        Raises:
+            EmptyDatasetError: When `dataset_fn`'s epoch has no batch.
+            RunDirError: When the latest checkpoint cannot be restored.
         """
         config = self.config
         start_step = self.restore()
@@ -287,7 +295,14 @@ class Trainer:
                 with_grad_norm = (step + 1) % config.log_every == 0 or step + 1 == config.train_steps
                 tracing = with_grad_norm not in self._train_steps
                 step_started = time.monotonic()
-                metrics = self._train_step(with_grad_norm)(iterator)
+                try:
+                    metrics = self._train_step(with_grad_norm)(iterator)
+                except tf.errors.OutOfRangeError:
+                    # The stream repeats its epoch forever: it ends only if the epoch is empty.
+                    raise EmptyDatasetError(
+                        "The training dataset gave no batch: dataset_fn returned an empty epoch (every pair "
+                        "filtered out, or no pair in this worker's shard)."
+                    ) from None
                 metrics = {name: float(value) for name, value in metrics.items()}
                 step_seconds = time.monotonic() - step_started
                 step += 1

@@ -70,6 +70,11 @@ class Translator(tf.Module):
             `xla_buckets` lengths (see the module docstring). `translate_with_options`
             stays in graph mode.
         name: Module name.
+
+    Keep a reference to the translator while calling `translate` or
+    `translate_with_options`: like every `tf.function` method of a `tf.Module`, they
+    hold their module weakly, so `Translator.from_run_dir(run).translate(text)` fails
+    once the unreferenced translator is freed.
     """
 
     def __init__(
@@ -93,6 +98,8 @@ class Translator(tf.Module):
                 "Translator needs a trained model, whose weights exist; this one is not "
                 "built (load one with run_dir.load_model, or call it on a batch first)."
             )
+        if max_extra_length < 0:
+            raise ValueError(f"max_extra_length must be 0 or more, got {max_extra_length}.")
         if max_input_length < 2:
             raise ValueError(
                 f"max_input_length must leave room for a token and EOS, got {max_input_length}."
@@ -136,12 +143,14 @@ class Translator(tf.Module):
 
         Returns:
             A `Translator` whose `vocabulary_file` is the run's tokenizer model.
+
+        Raises:
+            RunDirError: If the run's config, checkpoint or tokenizer cannot be loaded.
         """
-        vocabulary_file = run_dir.tokenizer_path(path)
         return cls(
             run_dir.load_model(path, which),
-            SubwordTokenizer.load(vocabulary_file),
-            vocabulary_file=vocabulary_file,
+            run_dir.load_tokenizer(path),
+            vocabulary_file=run_dir.tokenizer_path(path),
             **{**run_dir.translation_settings(path), **options},
         )
 

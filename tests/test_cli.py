@@ -1,6 +1,7 @@
 """Errors of the translate.py and `python -m export` command lines: one line each, no traceback."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,71 @@ def test_export_with_a_checkpoint_that_does_not_exist(run, tmp_path, capsys):
         f'"latest" or a checkpoint prefix such as {run / run_dir.CHECKPOINT_DIR / "ckpt"}-STEP.'
     )
     assert not (tmp_path / "models").exists()
+
+
+def test_translate_without_a_vocabulary(run, capsys):
+    exit_code = load_translate_cli().main(["--run-dir", str(run), "A dog."])
+    _assert_translate_error(exit_code, capsys.readouterr().err, "has no tokenizer.model")
+
+
+def test_translate_with_a_damaged_vocabulary(run, capsys):
+    run_dir.tokenizer_path(run).write_bytes(b"\x0a\x05not a model")
+    exit_code = load_translate_cli().main(["--run-dir", str(run), "A dog."])
+    _assert_translate_error(exit_code, capsys.readouterr().err, "tokenizer.model is not a readable SentencePiece")
+
+
+def test_translate_with_a_beam_over_the_translators_limit(run, multi30k_tokenizer, capsys):
+    multi30k_tokenizer.save(run_dir.tokenizer_path(run))
+    exit_code = load_translate_cli().main(["--run-dir", str(run), "--beam-size", "17", "A dog."])
+    _assert_translate_error(exit_code, capsys.readouterr().err, "beam_size must be between 1 and 16, got 17")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--beam-size", "0"], "--beam-size must be at least 1."),
+        (["--alpha", "-0.5"], "--alpha must be 0 or more."),
+        (["--max-length", "0"], "--max-length must be at least 1."),
+    ],
+)
+def test_translate_options_out_of_range_are_usage_errors(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as raised:
+        load_translate_cli().main(["--saved-model", str(tmp_path), *flags, "A dog."])
+    assert raised.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_translate_passes_command_line_bytes_that_are_not_utf8_on_as_they_are():
+    cli = load_translate_cli()
+    sentence = os.fsdecode(b"caf\xe9 ok")  # how Python hands such an argument to sys.argv
+    assert cli.read_sentences(cli.parse_args(["--saved-model", "m", sentence])) == [b"caf\xe9 ok"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--version", "-1"], "export failed: TF Serving loads versions numbered 0 or more, not -1."),
+        (["--max-extra-length", "-100"], "export failed: max_extra_length must be 0 or more, got -100."),
+    ],
+)
+def test_export_refuses_what_would_publish_a_model_that_cannot_serve(
+    run, multi30k_tokenizer, tmp_path, capsys, flags, message
+):
+    from export.__main__ import main
+
+    multi30k_tokenizer.save(run_dir.tokenizer_path(run))
+    exit_code = main(["--run-dir", str(run), "--out", str(tmp_path / "models" / "t"), *flags])
+    assert exit_code == 1 and capsys.readouterr().err.strip() == message
+    assert not (tmp_path / "models").exists()
+
+
+def test_export_without_a_vocabulary(run, tmp_path, capsys):
+    from export.__main__ import main
+
+    exit_code = main(["--run-dir", str(run), "--out", str(tmp_path / "models" / "t")])
+    assert exit_code == 1 and "has no tokenizer.model" in capsys.readouterr().err
+
+
+def test_config_json_is_as_readable_as_the_runs_other_files(run):
+    other = run / "other"
+    other.write_text("")
+    assert (run / run_dir.CONFIG_FILE).stat().st_mode == other.stat().st_mode

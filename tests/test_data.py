@@ -188,3 +188,11 @@ def test_translation_batches_truncate_long_sources(multi30k_tokenizer):
 
     assert batch.shape[0] == 2 and batch.shape[1] == 10
     assert batch.numpy()[0, -1] == EOS_ID
+
+
+@pytest.mark.parametrize("max_length", [1, 0, -5])
+def test_a_max_length_without_room_for_a_token_and_eos_is_rejected(multi30k_tokenizer, max_length):
+    with pytest.raises(ValueError, match="max_length must leave room for a token and EOS"):
+        make_training_dataset([("a", "b")], multi30k_tokenizer, max_length=max_length)
+    with pytest.raises(ValueError, match="max_length must leave room for a token and EOS"):
+        make_translation_dataset(["a b c"], multi30k_tokenizer, max_length=max_length)

@@ -646,3 +646,49 @@ def test_a_vocabulary_too_small_for_the_text_is_one_line(tmp_path, multi30k_dir)
     _assert_one_line_error(result.returncode, result.stderr, "--vocab-size 100 is too small for the multi30k",
                            "or more")
     assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-length", "1"], "--max-length 1 leaves no room for a token and EOS"),
+        (["--beam-size", "17"], "--beam-size is at most 16, got 17"),
+    ],
+    ids=["max-length", "beam-size"],
+)
+def test_settings_no_translator_could_use_fail_before_anything_is_written(tmp_path, capsys, flags, message):
+    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", *flags])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, message)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_epochs_must_be_a_finite_positive_number(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as raised:
+        _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--epochs", value])
+    assert raised.value.code == 2
+    assert f"argument --epochs: must be a positive number, got {value}" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length_flags", [["--train-steps", "5"], ["--epochs", "1"]], ids=["steps", "epochs"])
+def test_a_corpus_without_a_pair_short_enough_is_one_line(tmp_path, multi30k_dir, length_flags):
+    """Every Multi30k sentence has more than 2 subword tokens, so --max-length 3 keeps no pair."""
+    from keras_transformer.corpora import load_multi30k
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    pairs = load_multi30k(multi30k_dir).train[:300]
+    for side, lang in enumerate(("en", "de")):
+        (data_dir / f"train.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs))
+    run = tmp_path / "run"
+    result = _run([
+        sys.executable, "train.py", "--run-dir", str(run), "--preset", "tiny", "--dataset", "files",
+        "--data-dir", str(data_dir), "--source-lang", "en", "--target-lang", "de", "--vocab-size", "400",
+        "--max-length", "3", "--token-budget", "64", *length_flags,
+    ])
+    _assert_one_line_error(
+        result.returncode, result.stderr, "No training pair is left", "longer than --max-length 3 allows (2 tokens)",
+        f"delete {run} first",
+    )
