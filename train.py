@@ -182,8 +182,10 @@ def build_parser():
                       help="Multi30k directory (default: $MULTI30K_DIR, then ~/.keras/datasets/multi30k, "
                            "then download), TFDS data directory for wmt14/ted_pt_en, or the text-file "
                            "directory for --dataset files.")
-    what.add_argument("--source-lang", default=None, help="Source language code. [the corpus's usual: en]")
-    what.add_argument("--target-lang", default=None, help="Target language code. [the corpus's usual: de]")
+    what.add_argument("--source-lang", default=None,
+                      help="Source language code. [the corpus's usual: en; ted_pt_en: pt]")
+    what.add_argument("--target-lang", default=None,
+                      help="Target language code. [the corpus's usual: de; ted_pt_en: en]")
     what.add_argument("--vocab-size", type=positive_int, default=None,
                       help="Size of the shared BPE vocabulary learned on the training data. "
                            "[8000; wmt14: 37000]")
@@ -208,7 +210,8 @@ def build_parser():
                           "[small: 8, medium: 60, else none]")
     how.add_argument("--token-budget", type=positive_int, default=None,
                      help="Padded tokens per batch and side, PER REPLICA (the global batch is this "
-                          "times the number of replicas). [4096; the paper's 25k = 8 GPUs x ~3k real]")
+                          f"times the number of replicas). [the preset's: {_recipe_values('token_budget')}] "
+                          "The paper's 25k = 8 GPUs x ~3k real.")
     how.add_argument("--warmup-steps", type=positive_int, default=None,
                      help="Linear warm-up steps of the learning rate, then inverse square-root decay. "
                           f"[the preset's: {_recipe_values('warmup_steps')}] The paper: 4000.")
@@ -245,7 +248,7 @@ def build_parser():
                           "(paper: 5 for base, 20 for big), kept only if its validation BLEU is at least "
                           "the last checkpoint's (kept unchecked when there is no validation BLEU: "
                           "--bleu-sentences 0). At most --keep-checkpoints. 0: use the last checkpoint. "
-                          "[small: 0, medium/base: 5, big: 20]")
+                          f"[the preset's: {_recipe_values('average_last')}]")
     run.add_argument("--average-only", action="store_true",
                      help="Only average the last --average-last checkpoints of --run-dir, then exit.")
     run.add_argument("--beam-size", type=positive_int, default=None, help="Beam size of the translations. [4]")

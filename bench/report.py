@@ -4,7 +4,8 @@ Usage:
     python bench/report.py                 # reads and writes bench/results/
     python bench/report.py --results DIR
 
-Reads `train_throughput.json`, `decode.json` and `serving*.json` (whichever exist), and
+Reads `train_throughput.json`, `decode.json`, `serving*.json` and `profile-*.json`
+(whichever exist), and
 writes:
 
 * `RESULTS.md`: the machine, then one table per benchmark, with the targets marked met

@@ -7,8 +7,9 @@ Usage:
 One training step is forward + backward + Adam update: logits of the teacher-forced
 decoder, the masked label-smoothed cross entropy (`keras_transformer.losses`, eps 0.1),
 its gradients, and Adam(0.9, 0.98, 1e-9) (`FusedAdam`) with the paper's schedule
-(`keras_transformer.schedule.make_optimizer`), all in one `tf.function`, with and without
-`jit_compile` (XLA). Configurations: preset x precision (float32, mixed_bfloat16 where
+(`keras_transformer.schedule.make_optimizer`), run by our `Trainer`'s training step
+(`--step trainer`, the default; `--step standalone` puts it all in one `tf.function`),
+with and without `jit_compile` (XLA). Configurations: preset x precision (float32, mixed_bfloat16 where
 the device has native bfloat16) x XLA (off/on) x implementation (ours, peer).
 
 Batches are synthetic with fixed lengths (default: source and target 24 tokens, about the

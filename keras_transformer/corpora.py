@@ -126,8 +126,9 @@ def load_corpus(
         data_dir: Multi30k text directory, or TFDS data directory for the others.
         source_lang: Source language; defaults to the corpus's usual source.
         target_lang: Target language; defaults to the corpus's usual target.
-        download: Whether TFDS corpora may be downloaded and prepared (Multi30k, being
-            small, is always downloaded when no local copy exists).
+        download: Whether TFDS corpora may be downloaded and prepared. Multi30k, being
+            small, is downloaded whenever neither `data_dir` nor `$MULTI30K_DIR` is given
+            and no copy is cached; a given directory that lacks files is an error.
 
     Returns:
         The corpus.
