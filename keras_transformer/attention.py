@@ -178,8 +178,8 @@ class MultiHeadAttention(keras.layers.Layer):
         Not `einsum("btd,dnh->btnh")`: TensorFlow runs that as a batched matmul that
         broadcasts the kernel over the batch, and its kernel gradient is then a batch
         of per-sentence products summed afterwards (`BatchMatMulV2` + `Sum` took 42% of
-        the op time of a `small` training step in the profile). Flattening batch and length gives a single matmul
-        forward and backward.
+        the op time of a `small` training step in the profile). Flattening batch and
+        length gives a single matmul forward and backward.
         """
         return MultiHeadAttention._project_many(x, [kernel], [bias])[0]
 

@@ -240,7 +240,7 @@ def test_averaging_the_last_checkpoints(tmp_path):
 @pytest.mark.parametrize("better", ["averaged", "latest"])
 def test_the_average_is_kept_only_if_it_translates_the_validation_set_better(tmp_path, monkeypatch, better):
     """train.py keeps RUN/averaged only when its validation BLEU is at least the latest's."""
-    from keras_transformer import evaluation, tokenizer as tokenizer_lib
+    from keras_transformer import evaluation
 
     model = Transformer.from_preset("tiny", vocab_size=50)
     model.build()
@@ -257,7 +257,7 @@ def test_the_average_is_kept_only_if_it_translates_the_validation_set_better(tmp
     references = [target for _, target in pairs]
     # Translations stand in for the two checkpoints: the `better` one translates perfectly.
     monkeypatch.setattr(run_dir, "load_model", lambda run, which: which)
-    monkeypatch.setattr(tokenizer_lib.SubwordTokenizer, "load", lambda path: None)
+    monkeypatch.setattr(run_dir, "load_tokenizer", lambda run: None)
     monkeypatch.setattr(
         evaluation,
         "translate",
