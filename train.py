@@ -310,8 +310,11 @@ def resolve_settings(args):
             f"--token-budget ({settings['token_budget']}) must be at least --max-length "
             f"({settings['max_length']}), or the longest pairs fit in no batch."
         )
-    if dataset == "files" and not args.data_dir:
-        raise SettingsError("--dataset files needs --data-dir DIR holding train.SRC and train.TGT.")
+    if dataset == "files" and not args.data_dir and not args.average_only:  # Averaging reads no data.
+        raise SettingsError(
+            "--dataset files needs --data-dir DIR holding train.SRC and train.TGT (a run does not save it: "
+            "give it again to resume)."
+        )
     if dataset == "files" and not (settings["source_lang"] and settings["target_lang"]):
         raise SettingsError("--dataset files needs --source-lang and --target-lang (the file suffixes).")
     _check_direction(settings)
@@ -646,7 +649,8 @@ def train(args):
         strategy = distribution.make_strategy(devices)
     except ValueError as error:
         raise SettingsError(f"--devices {args.devices}: {error}" if devices else str(error)) from None
-    settings["replicas"] = check_replicas(run, settings, strategy.num_replicas_in_sync)
+    if settings["epochs"] is None:  # Else the length of the run, which the check needs, is not known yet.
+        settings["replicas"] = check_replicas(run, settings, strategy.num_replicas_in_sync)
 
     import keras
     import tensorflow as tf
@@ -665,6 +669,7 @@ def train(args):
     tokenizer = prepare_tokenizer(run, corpus, settings, strategy)
     if settings["epochs"] is not None:
         settings["train_steps"] = steps_for_epochs(run, corpus, tokenizer, settings, strategy.num_replicas_in_sync)
+        settings["replicas"] = check_replicas(run, settings, strategy.num_replicas_in_sync)
 
     def model_fn(dtype):
         if saved_config is not None and "model" in saved_config:  # Not yet when the start was interrupted.

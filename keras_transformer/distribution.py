@@ -59,12 +59,26 @@ def cluster_task_count(tf_config=None):
 
     Args:
         tf_config: The JSON text of `TF_CONFIG`; defaults to the environment variable.
+
+    Raises:
+        ValueError: If `TF_CONFIG` is not a JSON object whose "cluster" maps job names
+            to lists of addresses.
     """
     text = os.environ.get("TF_CONFIG", "") if tf_config is None else tf_config
     if not text:
         return 0
-    cluster = json.loads(text).get("cluster", {})
-    return len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"TF_CONFIG is not valid JSON ({error}): {text[:200]!r}") from None
+    cluster = config.get("cluster", {}) if isinstance(config, dict) else None
+    jobs = [cluster.get(job, []) for job in ("chief", "worker")] if isinstance(cluster, dict) else None
+    if jobs is None or not all(isinstance(tasks, list) for tasks in jobs):
+        raise ValueError(
+            'TF_CONFIG must be a JSON object such as {"cluster": {"worker": ["host1:port", "host2:port"]}, '
+            f'"task": {{"type": "worker", "index": 0}}}}, got {text[:200]!r}.'
+        )
+    return sum(len(tasks) for tasks in jobs)
 
 
 def make_strategy(devices=None):
@@ -78,8 +92,8 @@ def make_strategy(devices=None):
         A `tf.distribute.Strategy`.
 
     Raises:
-        ValueError: For `devices` combined with a multi-worker `TF_CONFIG`, or naming a
-            device that does not exist (or one device twice).
+        ValueError: For a malformed `TF_CONFIG`, `devices` combined with a multi-worker
+            one, or `devices` naming a device that does not exist (or one device twice).
     """
     if cluster_task_count() > 1:
         if devices:

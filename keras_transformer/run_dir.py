@@ -131,8 +131,9 @@ def checkpoint_path(run_dir, which="best"):
     Args:
         run_dir: The run directory.
         which: "latest"; "averaged"; "best": the averaged checkpoint unless a later
-            checkpoint was written after it (training went on), else the latest; or a
-            checkpoint path, returned as it is.
+            checkpoint was written after it (training went on) or the run was last
+            told not to average (`--average-last 0`), else the latest; or a checkpoint
+            path, returned as it is.
 
     Raises:
         RunDirError: When the asked checkpoint does not exist.
@@ -149,11 +150,20 @@ def checkpoint_path(run_dir, which="best"):
     latest = latest_checkpoint(run_dir / CHECKPOINT_DIR)
     if which == "averaged" and not averaged:
         raise RunDirError(f"{run_dir} has no averaged checkpoint; average the checkpoints first.")
-    if which == "averaged" or (which == "best" and averaged and checkpoint_step(averaged) >= checkpoint_step(latest)):
+    if which == "averaged" or (
+        which == "best" and averaged and checkpoint_step(averaged) >= checkpoint_step(latest) and _averages(run_dir)
+    ):
         return averaged
     if not latest:
         raise RunDirError(f"{run_dir} holds no checkpoint under {CHECKPOINT_DIR}/.")
     return latest
+
+
+def _averages(run_dir):
+    """Whether the run's final model may be its average: not when config.json says `average_last` 0."""
+    if not (run_dir / CONFIG_FILE).is_file():
+        return True
+    return read_config(run_dir).get("train", {}).get("average_last") != 0
 
 
 def checkpoints(directory):

@@ -290,6 +290,7 @@ class Trainer:
         train_seconds = 0.0
         train_tokens = 0.0
         stopped_early = False
+        validated_step = None
         try:
             while step < config.train_steps:
                 with_grad_norm = (step + 1) % config.log_every == 0 or step + 1 == config.train_steps
@@ -317,6 +318,7 @@ class Trainer:
                     self.save()
                 if config.eval_every and step % config.eval_every == 0 and step < config.train_steps:
                     self._validate(step, writers["validation"])
+                    validated_step = step
                 if self._out_of_time(started):
                     stopped_early = step < config.train_steps
                     logger.info("Time budget of %g minutes reached at step %d.", config.max_minutes, step)
@@ -330,7 +332,8 @@ class Trainer:
                 writer.flush()
         if self._saved_step != step:
             self.save()
-        self._validate(step, writers["validation"])
+        if validated_step != step:  # The time budget can end right after a scheduled validation.
+            self._validate(step, writers["validation"])
         self._cleanup_worker_checkpoints()
         seconds = time.monotonic() - started
         return TrainingResult(

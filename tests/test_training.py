@@ -233,6 +233,10 @@ def test_averaging_the_last_checkpoints(tmp_path):
     for variable in loaded.trainable_variables:
         np.testing.assert_allclose(variable.numpy(), 25.0, err_msg=variable.path)
     assert run_dir.checkpoint_path(tmp_path, "best") == path
+    config = run_dir.read_config(tmp_path)
+    run_dir.write_config(tmp_path, {**config, "train": {"average_last": 0}})  # Run again with --average-last 0.
+    assert Path(run_dir.checkpoint_path(tmp_path, "best")).parent.name == run_dir.CHECKPOINT_DIR
+    run_dir.write_config(tmp_path, config)
     manager.save(checkpoint_number=40)  # Training went on: the average is stale.
     assert Path(run_dir.checkpoint_path(tmp_path, "best")).name == "ckpt-40"
 
@@ -500,6 +504,18 @@ def _tiny_trainer(run, train_steps=4):
     )
 
 
+def test_average_only_needs_no_data_directory(tmp_path):
+    """A --dataset files run averages without --data-dir: averaging reads no data."""
+    for step in (10, 20):
+        _run_with_checkpoint(tmp_path, step=step)
+    config = run_dir.read_config(tmp_path)
+    config["data"] = {"corpus": "files", "source_lang": "en", "target_lang": "de", "vocab_size": 50}
+    config["train"] = {"preset": "tiny"}
+    run_dir.write_config(tmp_path, config)
+    assert _import_train_script().main(["--run-dir", str(tmp_path), "--average-only", "--average-last", "2"]) == 0
+    assert Path(run_dir.checkpoint_path(tmp_path, "averaged")).name == "ckpt-20"
+
+
 def test_a_damaged_latest_checkpoint_stops_the_resume_and_the_one_before_can_take_over(tmp_path):
     """A damaged newest checkpoint is a clear error; once deleted, the run resumes from the one before.
 
@@ -537,6 +553,21 @@ def test_a_damaged_only_checkpoint_says_how_to_start_over(tmp_path):
     (run / run_dir.CHECKPOINT_DIR / "ckpt-2.index").write_bytes(b"not an index")
     with pytest.raises(run_dir.RunDirError, match=f"To train the run from the start, delete {run / 'checkpoints'}\\.$"):
         _tiny_trainer(run).restore()
+
+
+@pytest.mark.parametrize(
+    "tf_config, message",
+    [
+        ("not json", "TF_CONFIG is not valid JSON"),
+        ("[1, 2]", "TF_CONFIG must be a JSON object such as"),
+        ('{"cluster": {"worker": "h:1,h:2"}, "task": {"type": "worker", "index": 0}}', "TF_CONFIG must be"),
+    ],
+    ids=["not-json", "not-an-object", "tasks-not-a-list"],
+)
+def test_a_malformed_tf_config_is_one_line(tmp_path, capsys, monkeypatch, tf_config, message):
+    monkeypatch.setenv("TF_CONFIG", tf_config)
+    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny"])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, message)
 
 
 def test_devices_that_do_not_exist_are_refused():
@@ -597,6 +628,22 @@ def test_resuming_on_another_number_of_replicas_is_one_line_in_a_real_process(ex
     assert _snapshot(existing_run) == before
 
 
+@pytest.mark.slow
+def test_a_finished_run_extended_by_epochs_checks_its_replicas(existing_run, multi30k_dir):
+    """Finished at step 100 on 2 replicas; --epochs 1 means more steps, and this command has 1 replica."""
+    config = run_dir.read_config(existing_run)
+    config["train"].update(replicas=2, train_steps=100)
+    run_dir.write_config(existing_run, config)
+    tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=run_dir.build_model(existing_run)), str(existing_run / run_dir.CHECKPOINT_DIR), 3
+    ).save(checkpoint_number=100)
+    before = _snapshot(existing_run)
+    result = _run([sys.executable, "train.py", "--run-dir", str(existing_run), "--data-dir", str(multi30k_dir),
+                   "--epochs", "1"])
+    _assert_one_line_error(result.returncode, result.stderr, "trained on 2 replica(s) up to step 100")
+    assert _snapshot(existing_run) == before
+
+
 def test_progress_lines_show_no_speed_for_steps_that_only_traced(tmp_path, caplog):
     """Step 1 traces the step function (untimed): its speed and ETA are unknown, not 0; step 2 is timed."""
     config = TrainingConfig(train_steps=3, warmup_steps=20, log_every=1)
@@ -612,6 +659,21 @@ def test_progress_lines_show_no_speed_for_steps_that_only_traced(tmp_path, caplo
     assert len(lines) == 3
     assert "| - tok/s |" in lines[0] and lines[0].endswith("| ETA -"), lines[0]
     assert re.search(r"\| [\d,]+ tok/s \|", lines[1]) and re.search(r"\| ETA \d+s$", lines[1]), lines[1]
+
+
+def test_a_time_budget_ending_at_a_validation_does_not_validate_that_step_again(tmp_path):
+    """Validation at step 1 (eval_every 1) spends the budget: the final validation must not repeat it."""
+    validated = []
+    trainer = Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+        tmp_path / "run",
+        TrainingConfig(train_steps=10, warmup_steps=20, eval_every=1, max_minutes=1e-9),
+        validate_fn=lambda model, step: validated.append(step) or {"loss": 1.0},
+    )
+    result = trainer.fit(_synthetic_pairs_dataset)
+    assert result.stopped_early and result.step == 1
+    assert validated == [1]
 
 
 @pytest.mark.slow
