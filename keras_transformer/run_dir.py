@@ -151,7 +151,7 @@ def checkpoint_path(run_dir, which="best"):
     if which == "averaged" and not averaged:
         raise RunDirError(f"{run_dir} has no averaged checkpoint; average the checkpoints first.")
     if which == "averaged" or (
-        which == "best" and averaged and checkpoint_step(averaged) >= checkpoint_step(latest) and _averages(run_dir)
+        which == "best" and averaged and checkpoint_step(averaged) >= checkpoint_step(latest) and _uses_average(run_dir)
     ):
         return averaged
     if not latest:
@@ -159,7 +159,7 @@ def checkpoint_path(run_dir, which="best"):
     return latest
 
 
-def _averages(run_dir):
+def _uses_average(run_dir):
     """Whether the run's final model may be its average: not when config.json says `average_last` 0."""
     if not (run_dir / CONFIG_FILE).is_file():
         return True
