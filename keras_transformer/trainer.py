@@ -324,6 +324,8 @@ class Trainer:
                     logger.info("Time budget of %g minutes reached at step %d.", config.max_minutes, step)
                     break
         except KeyboardInterrupt:
+            if interval.sums["tokens"]:  # The steps since the last progress line, not to lose them.
+                self._log_progress(step, interval, None, started, writers["train"])
             path = self.save()
             logger.info("Interrupted at step %d; saved %s. Run the same command to resume.", self.step.numpy(), path)
             raise
@@ -415,7 +417,8 @@ class Trainer:
         """One progress line and the training summaries of the last interval.
 
         Loss and accuracy are token-weighted over the interval; the gradient norm is the
-        one of the global gradient of the last step.
+        one of the global gradient of the last step, None when it was not computed (an
+        interval cut short by an interruption).
         """
         sums = interval.sums
         tokens = max(sums["tokens"], 1.0)
@@ -425,13 +428,13 @@ class Trainer:
         elapsed = time.monotonic() - started
         tokens_per_second, eta = self._speed(interval, step, elapsed)
         logger.info(
-            "step %d/%d | loss %.3f | acc %.3f | lr %.2e | grad norm %.2f | %s tok/s | elapsed %s | ETA %s",
+            "step %d/%d | loss %.3f | acc %.3f | lr %.2e | grad norm %s | %s tok/s | elapsed %s | ETA %s",
             step,
             self.config.train_steps,
             loss,
             accuracy,
             learning_rate,
-            grad_norm,
+            "-" if grad_norm is None else f"{grad_norm:.2f}",
             "-" if tokens_per_second is None else f"{tokens_per_second:,.0f}",
             format_duration(elapsed),
             "-" if eta is None else format_duration(eta),
@@ -440,7 +443,8 @@ class Trainer:
             tf.summary.scalar("loss", loss)
             tf.summary.scalar("accuracy", accuracy)
             tf.summary.scalar("learning_rate", learning_rate)
-            tf.summary.scalar("grad_norm", grad_norm)
+            if grad_norm is not None:
+                tf.summary.scalar("grad_norm", grad_norm)
             if tokens_per_second is not None:  # A 0 would be a false dip in the curve.
                 tf.summary.scalar("tokens_per_second", tokens_per_second)
 

@@ -676,6 +676,31 @@ def test_a_time_budget_ending_at_a_validation_does_not_validate_that_step_again(
     assert validated == [1]
 
 
+def test_an_interruption_logs_the_steps_since_the_last_progress_line(tmp_path, caplog, monkeypatch):
+    """Interrupted after step 3 of an interval of 10, the run logs steps 1-3 before it saves and stops."""
+    trainer = Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+        tmp_path / "run",
+        TrainingConfig(train_steps=10, warmup_steps=20, log_every=10),
+    )
+    checks = iter(range(1, 11))
+
+    def out_of_time(started):
+        if next(checks) == 3:
+            raise KeyboardInterrupt
+        return False
+
+    monkeypatch.setattr(trainer, "_out_of_time", out_of_time)
+    with caplog.at_level("INFO", logger="keras_transformer.trainer"), pytest.raises(KeyboardInterrupt):
+        trainer.fit(_synthetic_pairs_dataset)
+    messages = [record.getMessage() for record in caplog.records]
+    progress = [message for message in messages if message.startswith("step ")]
+    assert len(progress) == 1 and progress[0].startswith("step 3/10 | loss "), progress
+    assert "| grad norm - |" in progress[0]
+    assert any(message.startswith("Interrupted at step 3; saved ") for message in messages), messages
+
+
 @pytest.mark.slow
 def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir):
     """A run stopped by --max-minutes ends with its step and how to continue it."""
