@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -93,13 +94,7 @@ def machine_info(with_keras: bool = True) -> dict:
     """
     import tensorflow as tf
 
-    gpus = tf.config.list_physical_devices("GPU")
-    gpu_names = []
-    for gpu in gpus:
-        try:
-            gpu_names.append(tf.config.experimental.get_device_details(gpu).get("device_name", gpu.name))
-        except Exception:  # pragma: no cover - depends on the driver
-            gpu_names.append(gpu.name)
+    gpus = gpu_details()
     try:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
@@ -111,7 +106,10 @@ def machine_info(with_keras: bool = True) -> dict:
         "cpu_avx512_bf16": "avx512_bf16" in flags,
         "cpu_amx_bf16": "amx_bf16" in flags,
         "memory_gib": None if mem_gib is None else round(mem_gib, 1),
-        "gpus": gpu_names,
+        "gpus": [gpu["name"] for gpu in gpus],
+        "gpu_compute_capabilities": [gpu["compute_capability"] for gpu in gpus],
+        # On Ampere and newer GPUs TensorFlow runs float32 matmuls in TF32 by default.
+        "tf32_enabled": bool(gpus) and tf.config.experimental.tensor_float_32_execution_enabled(),
         "python": platform.python_version(),
         "tensorflow": tf.__version__,
         "platform": platform.platform(),
@@ -141,12 +139,37 @@ def has_gpu() -> bool:
     return bool(tf.config.list_physical_devices("GPU"))
 
 
+def gpu_details() -> list[dict]:
+    """`{"name", "compute_capability"}` of each GPU (capability None where the driver does not say)."""
+    import tensorflow as tf
+
+    details = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        try:
+            found = tf.config.experimental.get_device_details(gpu)
+        except Exception:  # pragma: no cover - depends on the driver
+            found = {}
+        capability = found.get("compute_capability")
+        details.append({"name": found.get("device_name", gpu.name), "compute_capability": capability})
+    return details
+
+
 def bf16_supported() -> bool:
-    """Whether bfloat16 matmuls are native: a GPU (Ampere+ assumed) or a CPU with AVX512_BF16/AMX."""
-    if has_gpu():
-        return True
+    """Whether bfloat16 matmuls are native: GPUs of compute capability 8.0 (Ampere) or more,
+    or, without a GPU, a CPU with AVX512_BF16 or AMX."""
+    gpus = gpu_details()
+    if gpus:
+        return all(gpu["compute_capability"] and tuple(gpu["compute_capability"]) >= (8, 0) for gpu in gpus)
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_precisions() -> list[str]:
+    """float32, and the mixed precision the device runs natively: bfloat16 where it can,
+    float16 on older GPUs (Volta, Turing), none on a CPU without bfloat16."""
+    if bf16_supported():
+        return ["float32", "mixed_bfloat16"]
+    return ["float32", "mixed_float16"] if has_gpu() else ["float32"]
 
 
 def sync(x) -> None:
@@ -158,6 +181,17 @@ def sync(x) -> None:
         t = flat[0]
         if hasattr(t, "numpy"):
             tf.reshape(t, [-1])[:1].numpy()
+
+
+def calls_to_fill(fn, seconds: float) -> int:
+    """How many calls of `fn()` take at least `seconds` together, from one synced call.
+
+    One call per repeat is enough on a CPU, but on a GPU a call can take a fraction of a
+    millisecond, which the dispatch and the final sync would swamp.
+    """
+    start = time.perf_counter()
+    sync(fn())
+    return max(1, math.ceil(seconds / max(time.perf_counter() - start, 1e-9)))
 
 
 def time_calls(fn, repeats: int, calls_per_repeat: int = 1) -> list[float]:
@@ -198,14 +232,17 @@ def percentile(values: list[float], q: float) -> float:
     return data[lo] + (data[hi] - data[lo]) * (k - lo)
 
 
-def peak_matmul_flops(dtype: str = "float32", n: int = 4096, repeats: int = 5) -> dict:
+def peak_matmul_flops(dtype: str = "float32", n: int = 4096, repeats: int = 5, min_repeat_s: float = 0.2) -> dict:
     """Measured peak matmul FLOP/s: best of `repeats` `[n, n] @ [n, n]` under `tf.function`.
 
     The denominator of the model FLOPs utilisation; measured in the same run as the
     model, so both see the same clocks and the same neighbours on a shared machine.
+    Each repeat makes as many calls as fill `min_repeat_s` (one on a CPU, hundreds on a
+    GPU). On an Ampere or newer GPU, "float32" matmuls use TF32 unless it is disabled
+    (`machine_info` records the setting).
 
     Returns:
-        `{"dtype", "n", "best_flops", "median_flops", "repeats_flops"}`.
+        `{"dtype", "n", "calls_per_repeat", "best_flops", "median_flops", "repeats_flops"}`.
     """
     import tensorflow as tf
 
@@ -213,12 +250,13 @@ def peak_matmul_flops(dtype: str = "float32", n: int = 4096, repeats: int = 5) -
     b = tf.cast(tf.random.normal((n, n), seed=2), dtype)
     matmul = tf.function(lambda x, y: tf.linalg.matmul(x, y))
     sync(matmul(a, b))  # trace + warm-up
-    sync(matmul(a, b))
+    calls = calls_to_fill(lambda: matmul(a, b), min_repeat_s)
     flops = 2.0 * n**3
-    rates = [flops / t for t in time_calls(lambda: matmul(a, b), repeats)]
+    rates = [flops / t for t in time_calls(lambda: matmul(a, b), repeats, calls)]
     return {
         "dtype": dtype,
         "n": n,
+        "calls_per_repeat": calls,
         "best_flops": max(rates),
         "median_flops": statistics.median(rates),
         "repeats_flops": [round(r) for r in rates],

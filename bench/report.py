@@ -47,6 +47,13 @@ def met(flag):
     return "met" if flag else "**missed**"
 
 
+def device_name(machine):
+    """What the benchmarks ran on: the first GPU if there was one (they run on GPU:0), else the CPU."""
+    if machine.get("gpus"):
+        return machine["gpus"][0] + (" (TF32 on)" if machine.get("tf32_enabled") else "")
+    return f"{machine['cpu']}, {machine['cpu_cores']} cores"
+
+
 def machine_line(payload):
     m = payload["machine"]
     gpus = ", ".join(m.get("gpus") or []) or "no GPU"
@@ -116,7 +123,8 @@ def train_section(payload):
     lines += [
         "",
         "MFU: model FLOPs/s over the measured peak of the step's precision (bf16 peak for "
-        "mixed_bfloat16); MFU (fp32 peak): over the float32 peak. XLA on a CPU computes "
+        "mixed_bfloat16, fp16 peak for mixed_float16); MFU (fp32 peak): over the float32 peak "
+        "(TF32 on Ampere and newer GPUs unless disabled). XLA on a CPU computes "
         "bfloat16 dots in float32, so where the bf16 peak is below the float32 one (a CPU "
         "without AMX), a bf16 XLA step can pass 100% of the bf16 peak: read the fp32 column "
         "there. `peer`: KerasHub `TransformerEncoder`/`TransformerDecoder` with "
@@ -160,8 +168,7 @@ def plot_train(payload, out: Path):
     )
     ax.set_ylabel("training tokens/s (source + target)")
     ax.set_yscale("log")
-    machine = payload["machine"]
-    ax.set_title(f"Training throughput — {machine['cpu']}, {machine['cpu_cores']} cores", fontsize=10)
+    ax.set_title(f"Training throughput — {device_name(payload['machine'])}", fontsize=10)
     ax.legend(fontsize=8, loc="upper right")
     ax.margins(y=0.25)
     ax.grid(axis="y", alpha=0.3, which="both")
@@ -282,7 +289,7 @@ def plot_decode(payload, out: Path):
     ax.set_ylabel("ms per decoding step")
     r0 = per_step[0]
     ax.set_title(
-        f"Beam search (beam {r0['beam_size']}, batch {r0['batch']}) — {payload['machine']['cpu']}", fontsize=10
+        f"Beam search (beam {r0['beam_size']}, batch {r0['batch']}) — {device_name(payload['machine'])}", fontsize=10
     )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)

@@ -80,6 +80,9 @@ from keras_transformer.schedule import make_optimizer  # noqa: E402
 DEFAULT_BATCH = {"tiny": 128, "small": 128, "medium": 128, "base": 128, "big": 64}
 LABEL_SMOOTHING = 0.1
 
+# The peak matmul each precision's MFU is measured against.
+PEAK_DTYPES = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+
 
 # --------------------------------------------------------------------------- FLOPs
 
@@ -363,12 +366,15 @@ def run_group(preset, precision, jit, impls, args, peaks, strategy):
             r.error = repr(e)[:500]
             print(f"[train] {r.name}: FAILED: {r.error}", flush=True)
     live = [r for r in live if r.error is None]
+    # The same number of steps for every implementation, enough to fill --min-repeat-seconds
+    # (a GPU step can take milliseconds): at least --steps.
+    steps = max([args.steps] + [common.calls_to_fill(r.step_fn, args.min_repeat_seconds) for r in live])
     # Interleave: ours, peer, ours, peer, ... so neighbours' load drifts affect both alike.
     for _ in range(args.repeats):
         for r in live:
-            r.timed_repeat(args.steps)
+            r.timed_repeat(steps)
     results = []
-    peak_key = "bfloat16" if precision == "mixed_bfloat16" else "float32"
+    peak_key = PEAK_DTYPES[precision]
     for impl, r in zip(impls, runners):
         entry = {
             "preset": preset,
@@ -380,6 +386,7 @@ def run_group(preset, precision, jit, impls, args, peaks, strategy):
             "src_len": args.src_len,
             "tgt_len": args.tgt_len,
             "tokens_per_step": tokens,
+            "steps_per_repeat": steps,
             "model_flops_per_step": flops["train"],
             "model_flops_per_token": flops["train_per_token"],
         }
@@ -419,8 +426,9 @@ def parse_args():
         "--precisions",
         nargs="+",
         default=None,
-        help="float32 and/or mixed_bfloat16 (default: both where the device has native bf16) "
-        "and/or mixed_float16 (run last: on a CPU it turns off Grappler's MatMul+BiasAdd fusion)",
+        help="float32, mixed_bfloat16 and/or mixed_float16 (default: float32 and the mixed precision "
+        "the device runs natively: bf16 on a CPU with AVX512_BF16/AMX or an Ampere+ GPU, fp16 on older "
+        "GPUs). mixed_float16 runs last: on a CPU it turns off Grappler's MatMul+BiasAdd fusion",
     )
     parser.add_argument("--jit", nargs="+", choices=["off", "on"], default=["off", "on"])
     parser.add_argument(
@@ -443,7 +451,13 @@ def parse_args():
     parser.add_argument("--tgt-len", type=int, default=24)
     parser.add_argument("--vocab-size", type=int, default=8000, help="shared vocabulary (train.py's default)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
-    parser.add_argument("--steps", type=int, default=2, help="steps per timed repeat")
+    parser.add_argument("--steps", type=int, default=2, help="least steps per timed repeat")
+    parser.add_argument(
+        "--min-repeat-seconds",
+        type=float,
+        default=1.0,
+        help="more steps per repeat when --steps take less than this (on a GPU)",
+    )
     parser.add_argument("--repeats", type=int, default=4, help="timed repeats (the median is reported)")
     parser.add_argument("--peak-n", type=int, default=4096, help="size of the peak-FLOP/s matmul")
     parser.add_argument("--output-name", default="train_throughput")
@@ -453,19 +467,16 @@ def parse_args():
 
 def main():
     args = parse_args()
-    precisions = args.precisions
-    if precisions is None:
-        precisions = ["float32"] + (["mixed_bfloat16"] if common.bf16_supported() else [])
     strategy = single_device_strategy()  # before any other TensorFlow op
+    precisions = args.precisions or common.default_precisions()
     load = common.quiet(args)
     payload = common.header("train_throughput", args)
-    peaks = {
-        "float32": common.peak_matmul_flops("float32", args.peak_n),
-        "bfloat16": common.peak_matmul_flops("bfloat16", args.peak_n),
-    }
+    # Every step's MFU is over the peak of its own precision, and also over the float32 peak.
+    dtypes = ["float32", "bfloat16"] + (["float16"] if "mixed_float16" in precisions else [])
+    peaks = {dtype: common.peak_matmul_flops(dtype, args.peak_n) for dtype in dtypes}
     print(
-        f"[train] peak matmul: float32 {peaks['float32']['best_flops'] / 1e9:.0f} GFLOP/s, "
-        f"bfloat16 {peaks['bfloat16']['best_flops'] / 1e9:.0f} GFLOP/s",
+        "[train] peak matmul: "
+        + ", ".join(f"{dtype} {peak['best_flops'] / 1e9:.0f} GFLOP/s" for dtype, peak in peaks.items()),
         flush=True,
     )
     results = []
