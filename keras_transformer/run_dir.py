@@ -264,11 +264,15 @@ def restore_checkpoint(checkpoint, path, partial=True):
             status.expect_partial()
         status.assert_existing_objects_matched()
     except Exception as error:  # TensorFlow raises anything from IndexError to DataLossError on a damaged file.
-        summary = (str(error).splitlines() or [""])[0][:300]
         raise RunDirError(
             f"Checkpoint {path} does not fit the model of {CONFIG_FILE} (another architecture, or a damaged "
-            f"file): {type(error).__name__}: {summary}"
+            f"file): {_error_summary(error)}"
         ) from None
+
+
+def _error_summary(error):
+    """`Type: first line of the message` of a library's exception, which can run to pages."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
 def translation_settings(run_dir):
@@ -299,5 +303,6 @@ def load_tokenizer(run_dir):
     try:
         return SubwordTokenizer.load(path)
     except (RuntimeError, ValueError, tf.errors.OpError) as error:
-        summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise RunDirError(f"{path} is not a readable SentencePiece model of this project: {summary}") from None
+        raise RunDirError(
+            f"{path} is not a readable SentencePiece model of this project: {_error_summary(error)}"
+        ) from None

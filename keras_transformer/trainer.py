@@ -290,7 +290,6 @@ class Trainer:
         train_seconds = 0.0
         train_tokens = 0.0
         stopped_early = False
-        validated_step = None
         try:
             while step < config.train_steps:
                 with_grad_norm = (step + 1) % config.log_every == 0 or step + 1 == config.train_steps
@@ -316,9 +315,8 @@ class Trainer:
                     interval = _Interval()
                 if step % config.checkpoint_every == 0:
                     self.save()
-                if config.eval_every and step % config.eval_every == 0 and step < config.train_steps:
+                if self._validation_due(step):
                     self._validate(step, writers["validation"])
-                    validated_step = step
                 if self._out_of_time(started):
                     stopped_early = step < config.train_steps
                     logger.info("Time budget of %g minutes reached at step %d.", config.max_minutes, step)
@@ -334,7 +332,7 @@ class Trainer:
                 writer.flush()
         if self._saved_step != step:
             self.save()
-        if validated_step != step:  # The time budget can end right after a scheduled validation.
+        if not self._validation_due(step):  # Else the loop validated this step (the time budget ended there).
             self._validate(step, writers["validation"])
         self._cleanup_worker_checkpoints()
         seconds = time.monotonic() - started
@@ -461,6 +459,11 @@ class Trainer:
         if self.config.max_minutes:
             eta = min(eta, max(0.0, self.config.max_minutes * 60 - elapsed))
         return interval.timed_tokens / interval.timed_seconds, eta
+
+    def _validation_due(self, step):
+        """Whether the training loop validates after `step` (the last step is validated after the loop)."""
+        config = self.config
+        return bool(config.eval_every) and step % config.eval_every == 0 and step < config.train_steps
 
     def _validate(self, step, writer):
         """Runs `validate_fn` on the chief, logs its metrics and writes them as summaries."""
