@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 import tensorflow as tf
+from tensorflow.core.util import event_pb2
 
 from keras_transformer.model import Transformer
 from keras_transformer.tokenizer import SubwordTokenizer
@@ -273,6 +274,24 @@ def restore_checkpoint(checkpoint, path, partial=True):
 def _error_summary(error):
     """`Type: first line of the message` of a library's exception, which can run to pages."""
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+
+
+def validated_steps(run_dir):
+    """The steps whose validation metrics `RUN/logs/validation` holds.
+
+    A validation writes its images first and its metrics last, so a step with images
+    alone is one whose validation was cut off.
+    """
+    steps = set()
+    for path in sorted((Path(run_dir) / LOG_DIR / "validation").glob("events.out.tfevents.*")):
+        try:
+            for record in tf.data.TFRecordDataset(str(path)):
+                event = event_pb2.Event.FromString(record.numpy())
+                if any(value.metadata.plugin_data.plugin_name == "scalars" for value in event.summary.value):
+                    steps.add(event.step)
+        except tf.errors.DataLossError:  # A record cut off by a crash: those before it count.
+            pass
+    return steps
 
 
 def translation_settings(run_dir):

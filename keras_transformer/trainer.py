@@ -56,6 +56,7 @@ from keras_transformer.run_dir import (
     check_checkpointable,
     checkpoints,
     restore_checkpoint,
+    validated_steps,
 )
 from keras_transformer.schedule import DEFAULT_WARMUP_STEPS, TransformerSchedule, make_optimizer
 from keras_transformer.tokenizer import PAD_ID
@@ -174,7 +175,9 @@ class Trainer:
         config: A `TrainingConfig`.
         validate_fn: Optional `validate_fn(model, step) -> {name: float}`, called on the
             chief every `eval_every` steps and at the end, with the validation summary
-            writer as default writer (it may write its own summaries, e.g. images).
+            writer as default writer (it may write its own summaries, e.g. images,
+            before the returned metrics are written). A run that stopped during a due
+            validation (interrupted or killed) validates that step again on resume.
     """
 
     def __init__(
@@ -272,6 +275,10 @@ class Trainer:
         config = self.config
         start_step = self.restore()
         started = time.monotonic()
+        writers = self._summary_writers()
+        if self._validation_cut_off(start_step):
+            logger.info("The validation at step %d was cut off; validating it again.", start_step)
+            self._validate(start_step, writers["validation"])
         if start_step >= config.train_steps:
             logger.info("Already trained %d of %d steps; nothing to do.", start_step, config.train_steps)
             return TrainingResult(start_step, start_step, False, 0.0, 0.0)
@@ -284,7 +291,6 @@ class Trainer:
             f" or {config.max_minutes:g} minutes" if config.max_minutes else "",
         )
         iterator = iter(self._training_stream(dataset_fn, start_step))
-        writers = self._summary_writers()
         step = start_step
         interval = _Interval()
         train_seconds = 0.0
@@ -464,6 +470,17 @@ class Trainer:
         """Whether the training loop validates after `step` (the last step is validated after the loop)."""
         config = self.config
         return bool(config.eval_every) and step % config.eval_every == 0 and step < config.train_steps
+
+    def _validation_cut_off(self, step):
+        """Whether the run stopped at `step` before writing the validation it was due there.
+
+        An interruption or a crash during a validation leaves the checkpoint of its step
+        but none of its metrics; the resumed run starts at that step.
+        """
+        if self.validate_fn is None or not self.is_chief or step == 0:
+            return False
+        due = self._validation_due(step) or step >= self.config.train_steps
+        return due and step not in validated_steps(self.run_dir)
 
     def _validate(self, step, writer):
         """Runs `validate_fn` on the chief, logs its metrics and writes them as summaries."""

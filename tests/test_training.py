@@ -676,6 +676,69 @@ def test_a_time_budget_ending_at_a_validation_does_not_validate_that_step_again(
     assert validated == [1]
 
 
+def _recording_trainer(run, validated, train_steps=4, eval_every=2, max_minutes=None, interrupt_at=None):
+    """A tiny trainer whose validation records its step, or is interrupted at `interrupt_at`."""
+
+    def validate(model, step):
+        if step == interrupt_at:
+            tf.summary.image("attention", np.zeros([1, 2, 2, 1]), step=step)  # Written before the metrics.
+            raise KeyboardInterrupt
+        validated.append(step)
+        return {"loss": 1.0}
+
+    return Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+        run,
+        TrainingConfig(train_steps=train_steps, warmup_steps=20, eval_every=eval_every, max_minutes=max_minutes),
+        validate_fn=validate,
+    )
+
+
+@pytest.mark.parametrize("interrupt_at", [2, 4], ids=["scheduled", "final"])
+def test_a_validation_cut_off_is_redone_when_the_run_resumes(tmp_path, interrupt_at):
+    """Interrupted in the validation of step 2 (eval_every 2) or of the last step, the resumed run validates it."""
+    validated = []
+    with pytest.raises(KeyboardInterrupt):
+        _recording_trainer(tmp_path / "run", validated, interrupt_at=interrupt_at).fit(_synthetic_pairs_dataset)
+    assert validated == [2, 4][: [2, 4].index(interrupt_at)]
+    assert run_dir.validated_steps(tmp_path / "run") == set(validated)
+    resumed = []
+    result = _recording_trainer(tmp_path / "run", resumed).fit(_synthetic_pairs_dataset)
+    assert result.start_step == interrupt_at and result.step == 4
+    assert resumed == [2, 4][[2, 4].index(interrupt_at):]
+    assert run_dir.validated_steps(tmp_path / "run") == {2, 4}
+
+
+def test_a_run_resumed_at_a_validated_step_does_not_validate_it_again(tmp_path):
+    """A time budget stops the run right after validating step 1; the resumed run validates from step 2 on."""
+    validated = []
+    result = _recording_trainer(tmp_path / "run", validated, eval_every=1, max_minutes=1e-9).fit(
+        _synthetic_pairs_dataset
+    )
+    assert result.step == 1 and validated == [1]
+    resumed = []
+    _recording_trainer(tmp_path / "run", resumed, eval_every=1).fit(_synthetic_pairs_dataset)
+    assert resumed == [2, 3, 4]
+
+
+def test_validated_steps_reads_what_a_crash_left_before_a_cut_off_record(tmp_path):
+    """Steps with metrics count, a step with images alone does not, and a record cut off by a crash ends the reading."""
+    logs = tmp_path / run_dir.LOG_DIR / "validation"
+    writer = tf.summary.create_file_writer(str(logs))
+    with writer.as_default():
+        for step in (10, 20):
+            tf.summary.scalar("loss", 1.0, step=step)
+        tf.summary.image("attention", np.zeros([1, 2, 2, 1]), step=30)
+        tf.summary.scalar("loss", 1.0, step=40)
+    writer.close()
+    assert run_dir.validated_steps(tmp_path) == {10, 20, 40}
+    (events,) = logs.glob("events.out.tfevents.*")
+    events.write_bytes(events.read_bytes()[:-5])
+    assert run_dir.validated_steps(tmp_path) == {10, 20}
+    assert run_dir.validated_steps(tmp_path / "elsewhere") == set()
+
+
 def test_an_interruption_logs_the_steps_since_the_last_progress_line(tmp_path, caplog, monkeypatch):
     """Interrupted after step 3 of an interval of 10, the run logs steps 1-3 before it saves and stops."""
     trainer = Trainer(
