@@ -20,6 +20,7 @@ directory or a model base directory (its highest version is used) is loaded with
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -173,6 +174,12 @@ def fail(message):
     return 2
 
 
+def refusal(error):
+    """The message of the model's failed assertion (e.g. "beam_size is at most 16"), else TensorFlow's."""
+    found = re.search(r"assertion failed: \[([^\]]*)\]", error.message)
+    return f"the model refused the request: {found.group(1) if found else error.message}"
+
+
 def main(argv=None):
     """Translates as the command line `argv` asks; returns the exit code (2 for bad input)."""
     args = parse_args(argv)
@@ -187,7 +194,11 @@ def main(argv=None):
         return fail(error)
     translate = translate_fn(signatures, args)
     for index, batch in enumerate(batches(sentences, args.batch_size)):
-        print_results(translate(tf.constant(batch, dtype=tf.string)), index * args.batch_size, args)
+        try:
+            results = translate(tf.constant(batch, dtype=tf.string))
+        except tf.errors.InvalidArgumentError as error:  # An option the model refuses.
+            return fail(refusal(error))
+        print_results(results, index * args.batch_size, args)
         sys.stdout.flush()
     return 0
 

@@ -200,8 +200,9 @@ class Translator(tf.Module):
 
         Args:
             text: tf.string `[batch]`, UTF-8 sentences.
-            beam_size: int32 scalar, at most `MAX_BEAM_SIZE`; 0 or less for
-                `translate`'s own. Also the number of hypotheses returned per sentence.
+            beam_size: int32 scalar, at most `MAX_BEAM_SIZE` (more is an
+                InvalidArgumentError); 0 or less for `translate`'s own. Also the number
+                of hypotheses returned per sentence.
             alpha: float32 scalar, the length penalty; negative for `translate`'s own.
             max_length: int32 scalar, most output tokens (EOS included) on top of the
                 source length + `max_extra_length` limit; 0 or less for no extra cap.
@@ -215,7 +216,13 @@ class Translator(tf.Module):
         """
         # Unset (0, negative) means `translate`'s settings: a client of an exported model
         # has no other way to ask for them, as they are not in the signature.
-        beam_size = tf.minimum(tf.where(beam_size > 0, beam_size, self.beam_size), MAX_BEAM_SIZE)
+        beam_size = tf.where(beam_size > 0, beam_size, self.beam_size)
+        # Refused, not clipped: a client asking for 17 hypotheses must not get 16 unawares.
+        beam_size_allowed = tf.debugging.assert_less_equal(
+            beam_size, MAX_BEAM_SIZE, message=f"beam_size is at most {MAX_BEAM_SIZE}"
+        )
+        with tf.control_dependencies([beam_size_allowed]):  # Before any decoding.
+            beam_size = tf.identity(beam_size)
         alpha = tf.where(alpha >= 0.0, alpha, self.alpha)
         max_length = tf.where(max_length > 0, max_length, tf.int32.max)
         source_ids, blank = self._source_ids(text)

@@ -305,9 +305,11 @@ def test_long_inputs_are_translated_from_their_first_tokens(served, tiny_transla
     )
 
 
-def test_options_out_of_range_are_clipped_not_fatal(served, sentences):
+def test_a_beam_over_the_limit_is_refused_and_other_options_out_of_range_are_unset(served, sentences):
     signature = served["translate_with_options"]
-    for beam_size, width in ((1000, 16), (-3, 4)):  # -3: unset, serving_default's 4
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"beam_size is at most 16"):
+        translate(signature, sentences[:2], beam_size=17, alpha=0.6, max_length=0)
+    for beam_size, width in ((16, 16), (-3, 4)):  # -3: unset, serving_default's 4
         outputs = translate(
             signature, sentences[:2] + [BAD_INPUTS[0]], beam_size=beam_size, alpha=0.6, max_length=0
         )
@@ -373,7 +375,10 @@ class PredictHandler(http.server.BaseHTTPRequestHandler):
             ]
             return self.answer(200, {"predictions": rows})
         inputs = dict(body["inputs"])
-        outputs = translate(signature, inputs.pop("text"), **inputs)
+        try:
+            outputs = translate(signature, inputs.pop("text"), **inputs)
+        except tf.errors.InvalidArgumentError as error:  # As TF Serving answers a refused input.
+            return self.answer(400, {"error": error.message})
         return self.answer(
             200, {"outputs": {name: self.json_values(value) for name, value in outputs.items()}}
         )
@@ -439,6 +444,13 @@ def test_client_cli_prints_translations(rest_server, translator, sentences, caps
     )
     expected = translate(translator.translate, sentences[:2])["translation"]
     assert capsys.readouterr().out.splitlines() == [t.decode() for t in expected]
+
+
+def test_client_cli_reports_a_beam_size_the_server_refuses(rest_server, sentences, capsys):
+    assert client.main(["--rest", rest_server, "--model", MODEL_NAME, "--beam-size", "17", sentences[0]]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("translation failed: 400 from ") and "beam_size is at most 16" in captured.err
 
 
 def test_client_cli_n_best_uses_the_served_models_own_beam_size(served_beam_2, sentences, capsys):
@@ -531,6 +543,14 @@ def test_translate_cli_with_a_saved_model_and_with_a_run_dir(
     )
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(line.startswith("0 ||| ") for line in lines)
+
+
+def test_translate_cli_says_when_the_saved_model_refuses_a_beam_size(exported, sentences, capsys):
+    cli = load_translate_cli()
+    assert cli.main(["--saved-model", str(exported[0]), "--beam-size", "17", sentences[0]]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "translate.py: error: the model refused the request: beam_size is at most 16\n" in captured.err
 
 
 def test_the_example_models_config_is_a_valid_model_server_config():
