@@ -24,6 +24,12 @@ which this script sets before TensorFlow starts. Op times are summed over the th
 that ran them, and XLA runs independent operations concurrently, so they add up to more
 than the wall time on a multi-core machine and an operation sharing the cores looks
 slower than it is alone.
+
+On a GPU the summaries count the device's time only (`"timeline": "device"`): the
+framework's device rows in graph mode, the GPU's "XLA Ops" line with XLA. The host rows
+there are the launches of those kernels, and the GPU's stream lines hold the same
+kernels again. This reading of GPU traces follows xprof's line names; it has not been
+checked against a real GPU trace (none of our machines has one).
 """
 
 from __future__ import annotations
@@ -95,18 +101,22 @@ def _ranked(counter: collections.Counter, per: float, limit: int) -> list[dict]:
 
 
 def summarize_training(logdir: Path, steps: int, limit: int = 20) -> dict:
-    """Op self time per step, by op type and by model part (backward marked `grad:`)."""
+    """Op self time per step, by op type and by model part (backward marked `grad:`).
+
+    With a GPU in the trace, its device rows only; the host rows launch them.
+    """
     rows = _table_rows(_tool_data(logdir, "framework_op_stats")[0])
+    rows = [row for row in rows if row["type"] not in ("IDLE", "Dataset")]
+    device_rows = [row for row in rows if row["host_or_device"] == "Device"]
     by_type, by_part = collections.Counter(), collections.Counter()
-    for row in rows:
-        if row["type"] in ("IDLE", "Dataset"):
-            continue
+    for row in device_rows or rows:
         self_us = row["total_self_time"]
         by_type[row["type"]] += self_us
         name = row["operation"]
         part = next((p for p in _MODEL_PARTS if p.lower() in name.lower()), "other")
         by_part[("grad:" if "gradient_tape" in name else "") + part] += self_us
     return {
+        "timeline": "device" if device_rows else "host",
         "op_time_per_step_ms": round(sum(by_type.values()) / steps / 1e3, 1),
         "by_op_type": _ranked(by_type, steps, limit),
         "by_model_part": _ranked(by_part, steps, limit),
@@ -117,10 +127,12 @@ def summarize_xla_ops(logdir: Path, count: int, limit: int = 20, outer: str = "s
     """Time of the XLA operations (and TF ops) per request or step, from the trace events.
 
     `outer` names the event that spans one request or step (its total is reported as
-    `outer_ms`); events that only wrap others are left out of the op times.
+    `outer_ms`); events that only wrap others are left out of the op times. With a GPU
+    in the trace, the op times are those of its "XLA Ops" line.
     """
     events = _tool_data(logdir, "trace_viewer")
     events = events["traceEvents"] if isinstance(events, dict) else events
+    device_lines = _gpu_xla_op_lines(events)
     by_op, by_kind = collections.Counter(), collections.Counter()
     outer_us = 0.0
     for event in events:
@@ -130,15 +142,35 @@ def summarize_xla_ops(logdir: Path, count: int, limit: int = 20, outer: str = "s
         if name == outer:
             outer_us += duration
             continue
-        if _WRAPPERS.match(name):
+        if _WRAPPERS.match(name) or (device_lines and (event.get("pid"), event.get("tid")) not in device_lines):
             continue
         by_op[name] += duration
         by_kind[re.sub(r"([._]\d+)+$", "", name)] += duration  # MatMul.84 -> MatMul
     return {
+        "timeline": "device" if device_lines else "host",
         "outer_ms": round(outer_us / count / 1e3, 2),
         "op_time_ms": round(sum(by_op.values()) / count / 1e3, 2),
         "by_op_kind": _ranked(by_kind, count, limit),
         "by_op": _ranked(by_op, count, limit),
+    }
+
+
+def _gpu_xla_op_lines(events) -> set[tuple]:
+    """`(pid, tid)` of the "XLA Ops" lines of the trace's GPUs (none on a CPU).
+
+    xprof derives that line from the kernels on the GPU's streams, one event per XLA
+    operation; the streams and the host's launches hold the same time again.
+    """
+    names = {
+        (event["name"], event.get("pid"), event.get("tid")): event["args"].get("name", "")
+        for event in events
+        if event.get("ph") == "M" and event.get("name") in ("process_name", "thread_name")
+    }
+    gpus = {pid for (kind, pid, _), name in names.items() if kind == "process_name" and "/device:GPU:" in name}
+    return {
+        (pid, tid)
+        for (kind, pid, tid), name in names.items()
+        if kind == "thread_name" and pid in gpus and name == "XLA Ops"
     }
 
 
@@ -161,7 +193,10 @@ def profile_training(args) -> tuple[str, dict]:
     tf.profiler.experimental.stop()
     if args.jit == "on":
         xla = summarize_xla_ops(logdir, args.steps, outer="train_step")
-        ops = {"op_time_per_step_ms": xla["op_time_ms"], "by_op_kind": xla["by_op_kind"], "by_op": xla["by_op"]}
+        ops = {
+            "timeline": xla["timeline"], "op_time_per_step_ms": xla["op_time_ms"], "by_op_kind": xla["by_op_kind"],
+            "by_op": xla["by_op"],
+        }
     else:
         ops = summarize_training(logdir, args.steps)
     summary = {
@@ -196,6 +231,7 @@ def profile_serving(args) -> tuple[str, dict]:
         "saved_model": str(args.saved_model),
         "requests": args.requests,
         "wall_ms_per_request_under_profiler": round(elapsed / args.requests * 1e3, 2),
+        "timeline": xla["timeline"],
         "request_ms": xla["outer_ms"],
         "op_time_per_request_ms": xla["op_time_ms"],
         "by_op_kind": xla["by_op_kind"],
