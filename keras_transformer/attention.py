@@ -129,6 +129,12 @@ class MultiHeadAttention(keras.layers.Layer):
         d_model = query_shape[-1]
         value_shape = query_shape if value_shape is None else value_shape
         key_shape = value_shape if key_shape is None else key_shape
+        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
+            if len(shape) != 3 or shape[-1] is None:
+                raise ValueError(
+                    f"MultiHeadAttention expects {name} of shape [batch, length, features] with known "
+                    f"features, got {tuple(shape)}."
+                )
         if self.key_dim is None:
             if d_model % self.num_heads:
                 raise ValueError(
@@ -378,7 +384,8 @@ class MultiHeadAttention(keras.layers.Layer):
             # such an add into the Q K^T matmul, and that fused kernel was 20x slower
             # with a broadcast mask of a growing length (the uncached decoder's profile).
             logits = ops.where(mask, logits, MASKED_LOGIT)
-        scores = ops.softmax(logits, axis=-1)
+        # Over a single key the softmax is 1 (keras.ops.softmax warns about that axis).
+        scores = ops.ones_like(logits) if logits.shape[-1] == 1 else ops.softmax(logits, axis=-1)
         weights = self.dropout(ops.cast(scores, value_heads.dtype), training=training)
         context = ops.matmul(weights, value_heads)
         return self._merge_heads(context), scores
@@ -404,7 +411,18 @@ class MultiHeadAttention(keras.layers.Layer):
         return tuple(query_shape[:-1]) + (self.output_dim or query_shape[-1],)
 
     def compute_output_spec(
-        self, query, value=None, key=None, return_attention_scores=False, cache=None, **kwargs
+        self,
+        query,
+        value=None,
+        key=None,
+        attention_mask=None,
+        use_causal_mask=False,
+        return_attention_scores=False,
+        training=None,
+        cache=None,
+        cache_index=None,
+        value_mask=None,
+        key_mask=None,
     ):
         """What `call` returns, as `KerasTensor`s (Keras functional models): the output,
         then the scores and the cache if `call` returns them."""

@@ -12,6 +12,7 @@ from keras import ops
 
 from keras_transformer.attention import MultiHeadAttention, spec_like
 from keras_transformer.dropout import Dropout
+from keras_transformer.masks import intersect
 
 
 def check_model_dims(d_model, num_heads, d_ff, dropout_rate):
@@ -125,6 +126,11 @@ class FeedForward(keras.layers.Layer):
         self.outer = keras.layers.Dense(d_model, name="outer", dtype=self.dtype_policy)
 
     def build(self, inputs_shape):
+        if inputs_shape[-1] != self.d_model:
+            raise ValueError(
+                f"FeedForward expects inputs of width d_model={self.d_model} (its output is added to them), "
+                f"got shape {tuple(inputs_shape)}."
+            )
         self.inner.build(inputs_shape)
         self.outer.build(tuple(inputs_shape[:-1]) + (self.d_ff,))
         self.built = True
@@ -250,8 +256,9 @@ class EncoderLayer(_ResidualBlock):
     Call arguments:
         inputs: `[batch, length, d_model]`.
         padding_mask: Boolean `[batch, length]` (`True` for real tokens) or an
-            attention mask of rank 3/4. Defaults to the Keras mask of `inputs`
-            (e.g. from `Embedding(mask_zero=True)`).
+            attention mask of rank 3/4. A Keras mask of `inputs` (e.g. from
+            `Embedding(mask_zero=True)`) hides padding as well: a key either mask
+            hides is hidden.
         training: Whether dropout is active.
         return_attention_scores: Also return the self-attention weights.
 
@@ -274,8 +281,14 @@ class EncoderLayer(_ResidualBlock):
         self.feed_forward_norm.build(inputs_shape)
         self.built = True
 
-    def call(self, inputs, padding_mask=None, training=None, return_attention_scores=False, mask=None):
-        attention_mask = _as_attention_mask(padding_mask if padding_mask is not None else mask)
+    def call(
+        self, inputs, padding_mask=None, training=None, return_attention_scores=False, mask=None, inputs_mask=None
+    ):
+        # Keras passes the Keras mask of `inputs` as `mask`, or as `inputs_mask` when
+        # `padding_mask` is a tensor too. Applied here, not left to the mask travelling with
+        # the sub-layer's input: pre-LN normalises that input first, which drops the mask.
+        keras_mask = mask if mask is not None else inputs_mask
+        attention_mask = intersect(_as_attention_mask(padding_mask), _as_attention_mask(keras_mask))
         scores = None
 
         def self_attend(x):
@@ -289,7 +302,9 @@ class EncoderLayer(_ResidualBlock):
         x = self._residual(x, self.feed_forward, self.feed_forward_norm, self.feed_forward_dropout, training)
         return (x, scores) if return_attention_scores else x
 
-    def compute_output_spec(self, inputs, return_attention_scores=False, **kwargs):
+    def compute_output_spec(
+        self, inputs, padding_mask=None, training=None, return_attention_scores=False, mask=None, inputs_mask=None
+    ):
         output = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
         if not return_attention_scores:
             return output
@@ -304,7 +319,9 @@ class DecoderLayer(_ResidualBlock):
     Args: as `EncoderLayer`.
 
     Call arguments:
-        inputs: Decoder sequence `[batch, target_length, d_model]`.
+        inputs: Decoder sequence `[batch, target_length, d_model]`. Its Keras mask
+            (e.g. from `Embedding(mask_zero=True)`), if any, hides target padding
+            from the self-attention; not with a cache.
         encoder_outputs: `[batch, source_length, d_model]`. Not used when
             `cache` holds the projected encoder memory.
         encoder_padding_mask: Boolean `[batch, source_length]` (or rank 3/4),
@@ -358,11 +375,20 @@ class DecoderLayer(_ResidualBlock):
         cache=None,
         cache_index=None,
         return_attention_scores=False,
+        inputs_mask=None,
     ):
         if cache is None and encoder_outputs is None:
             raise ValueError("DecoderLayer needs encoder_outputs (or a cache holding the encoder memory).")
         if (cache is None) != (cache_index is None):
             raise ValueError("cache and cache_index go together: give both or neither.")
+        if cache is not None and inputs_mask is not None:
+            raise ValueError(
+                "The Keras mask of inputs covers the new tokens only, not the cache's positions; "
+                "decode without Keras masks."
+            )
+        # Keras passes the Keras mask of `inputs` as `inputs_mask`; applied here as in
+        # `EncoderLayer`, as pre-LN's normalised input carries no mask.
+        target_mask = _as_attention_mask(inputs_mask)
         cross_mask = _as_attention_mask(encoder_padding_mask)
         scores = {}
         new_cache = {}
@@ -371,6 +397,7 @@ class DecoderLayer(_ResidualBlock):
             outputs = self.self_attention(
                 x,
                 x,
+                attention_mask=target_mask,
                 use_causal_mask=True,
                 return_attention_scores=True,
                 training=training,
@@ -406,7 +433,15 @@ class DecoderLayer(_ResidualBlock):
         return outputs[0] if len(outputs) == 1 else outputs
 
     def compute_output_spec(
-        self, inputs, encoder_outputs=None, *args, cache=None, return_attention_scores=False, **kwargs
+        self,
+        inputs,
+        encoder_outputs=None,
+        encoder_padding_mask=None,
+        training=None,
+        cache=None,
+        cache_index=None,
+        return_attention_scores=False,
+        inputs_mask=None,
     ):
         outputs = (keras.KerasTensor(inputs.shape, dtype=self.compute_dtype),)
         if return_attention_scores:

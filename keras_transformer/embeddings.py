@@ -40,7 +40,10 @@ class PositionalEncoding(keras.layers.Layer):
         learned: Use a learned `[max_length, d_model]` table instead of the
             fixed sinusoids.
         max_length: Longest sequence a learned table covers. The sinusoidal
-            encoding has no such limit.
+            encoding has no such limit. Positions past it are an error when the
+            length and `start_index` are known as the layer is called (and a
+            gather error in graph mode on CPUs); under XLA and on GPUs, where a
+            gather out of range reads the last row, they would pass silently.
         **kwargs: Base `keras.layers.Layer` arguments.
 
     Call arguments:
@@ -62,8 +65,11 @@ class PositionalEncoding(keras.layers.Layer):
 
     def build(self, inputs_shape):
         d_model = inputs_shape[-1]
-        if d_model is None:
-            raise ValueError("PositionalEncoding needs a known last dimension (d_model).")
+        if len(inputs_shape) != 3 or d_model is None:
+            raise ValueError(
+                f"PositionalEncoding expects embeddings [batch, length, d_model] with a known d_model, "
+                f"got shape {tuple(inputs_shape)}."
+            )
         self.d_model = d_model
         if self.learned:
             self.position_embeddings = self.add_weight(
@@ -155,10 +161,14 @@ class SharedEmbedding(keras.layers.Layer):
         embedded = ops.take(self.embeddings, ops.cast(inputs, "int32"), axis=0)
         return embedded * ops.cast(math.sqrt(self.d_model), embedded.dtype)
 
-    def compute_output_shape(self, inputs_shape, reverse=False):
-        if reverse:
-            return tuple(inputs_shape[:-1]) + (self.vocab_size,)
+    def compute_output_shape(self, inputs_shape):
+        """The shape of embedded ids `inputs_shape` (`compute_output_spec` covers `reverse`)."""
         return tuple(inputs_shape) + (self.d_model,)
+
+    def compute_output_spec(self, inputs, reverse=False, transposed_embeddings=None):
+        if reverse:
+            return keras.KerasTensor(tuple(inputs.shape[:-1]) + (self.vocab_size,), dtype="float32")
+        return keras.KerasTensor(self.compute_output_shape(inputs.shape), dtype=self.compute_dtype)
 
     def get_config(self):
         config = super().get_config()

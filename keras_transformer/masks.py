@@ -50,9 +50,14 @@ def written_mask(key_length, written_length):
 def intersect(*masks):
     """What every given mask lets attend (their logical AND, broadcast); None entries are skipped.
 
+    Masks of rank 3 (`[batch, queries, keys]`) and 4 (`[batch, heads, queries, keys]`)
+    combine: with a rank-4 mask among them, the rank-3 ones apply to every head.
+
     Returns None when no mask is given.
     """
     present = [ops.cast(mask, "bool") for mask in masks if mask is not None]
+    if any(len(mask.shape) == 4 for mask in present):
+        present = [ops.expand_dims(mask, axis=1) if len(mask.shape) == 3 else mask for mask in present]
     return functools.reduce(ops.logical_and, present) if present else None
 
 

@@ -13,6 +13,7 @@ memory once per layer, and `decode_step` feeds only the newest tokens.
 import keras
 from keras import ops
 
+from keras_transformer.attention import spec_like
 from keras_transformer.blocks import DecoderLayer, EncoderLayer, LayerNormalization, check_model_dims, rowwise
 from keras_transformer.dropout import Dropout
 from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding
@@ -187,6 +188,12 @@ class Decoder(_Stack):
                 new_cache.append(layer_cache)
         x = self._finish(x)
         return x if cache is None else (x, new_cache)
+
+    def compute_output_spec(
+        self, inputs, encoder_outputs=None, encoder_padding_mask=None, training=None, cache=None, cache_index=None
+    ):
+        output = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
+        return output if cache is None else (output, spec_like(cache))
 
 
 def _describe(inputs):

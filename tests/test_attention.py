@@ -215,3 +215,45 @@ def test_bad_constructor_arguments_are_clear_errors():
         MultiHeadAttention(0)
     with pytest.raises(ValueError, match="dropout_rate"):
         MultiHeadAttention(2, dropout_rate=1.5)
+
+
+def test_an_attention_mask_given_by_position_works_in_a_functional_model():
+    """`layer(query, value, key, attention_mask)` symbolically, as eagerly."""
+    ours, _, query, value = copied_pair(seed=12)
+    mask = np.random.default_rng(12).random((2, 5, 7)) > 0.3
+    inputs = [keras.Input((5, D_MODEL)), keras.Input((7, D_MODEL)), keras.Input((5, 7), dtype="bool")]
+    model = keras.Model(inputs, ours(inputs[0], inputs[1], inputs[1], inputs[2]))
+    np.testing.assert_allclose(model([query, value, mask]), ours(query, value, value, mask), atol=1e-6)
+
+
+def test_a_single_key_gets_all_the_weight_without_a_warning_as_in_keras():
+    """A one-token memory: no softmax warning (Keras's own layer gives none either), the same output as Keras's."""
+    import warnings
+
+    ours, theirs, query, value = copied_pair(seed=13)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, scores = ours(query, value[:, :1], return_attention_scores=True)
+    assert not [str(w.message) for w in caught if "softmax" in str(w.message)]
+    np.testing.assert_array_equal(scores, np.ones((2, HEADS, 5, 1)))
+    np.testing.assert_allclose(out, theirs(query, value[:, :1]), atol=1e-5)
+
+
+def test_a_per_head_mask_combines_with_the_keras_mask_of_the_values():
+    """A rank-4 attention_mask and the values' Keras mask (rank 3 once expanded) both apply, to every head."""
+    ours, _, query, value = copied_pair(seed=14)
+    value = _padded_value(value)
+    per_head = np.random.default_rng(14).random((2, HEADS, 5, 7)) > 0.3
+    per_head[..., 0] = True  # every query keeps a real key
+    inputs = [keras.Input((5, D_MODEL)), keras.Input((7, D_MODEL)), keras.Input((HEADS, 5, 7), dtype="bool")]
+    masked_value = keras.layers.Masking(0.0)(inputs[1])
+    model = keras.Model(inputs, ours(inputs[0], masked_value, attention_mask=inputs[2]))
+    key_padding = np.arange(7)[None, :] < np.array([7, 4])[:, None]
+    both = per_head & key_padding[:, None, None, :]
+    np.testing.assert_allclose(model([query, value, per_head]), ours(query, value, attention_mask=both), atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2, 16), (2, 3, 5, 16)])
+def test_inputs_that_are_not_sequences_of_vectors_are_a_clear_error(shape):
+    with pytest.raises(ValueError, match=r"expects query of shape \[batch, length, features\]"):
+        MultiHeadAttention(HEADS)(np.zeros(shape, "float32"), np.zeros(shape, "float32"))

@@ -235,3 +235,59 @@ def test_keras_masks_flow_through_encoder_and_decoder_layers_without_warnings(no
     np.testing.assert_allclose(model([source, target]), expected, atol=1e-5)
     attending_to_padding = np.asarray(decoder(target_embedded, memory))
     assert not np.allclose(decoded[0], attending_to_padding[0], atol=1e-4)  # the source padding matters
+
+
+def test_a_padding_mask_given_by_position_works_in_a_functional_model():
+    layer = EncoderLayer(8, 2, 16, dropout_rate=0.0)
+    rng = np.random.default_rng(21)
+    x = rng.normal(size=(2, 5, 8)).astype("float32")
+    padding = np.arange(5)[None, :] < np.array([5, 3])[:, None]
+    inputs = [keras.Input((5, 8)), keras.Input((5,), dtype="bool")]
+    model = keras.Model(inputs, layer(inputs[0], inputs[1]))
+    np.testing.assert_allclose(model([x, padding]), layer(x, padding), atol=1e-6)
+
+
+def _masked_embedding_model(layer_call, vocab=20, d_model=8):
+    """`layer_call(embedded_target_with_keras_mask)` in a functional model, and its embedding."""
+    ids = keras.Input((None,), dtype="int32")
+    embedding = keras.layers.Embedding(vocab, d_model, mask_zero=True)
+    return keras.Model(ids, layer_call(embedding(ids))), embedding
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
+def test_the_decoders_self_attention_hides_the_targets_keras_padding_in_both_norm_orders(norm_first):
+    """Left padding marked by the Keras mask changes no real position: they equal the unpadded sequence's."""
+    decoder = DecoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
+    memory = np.random.default_rng(22).normal(size=(1, 4, 8)).astype("float32")
+    model, embedding = _masked_embedding_model(lambda x: decoder(x, memory))
+    real = np.array([[5, 7, 3]])
+    padded = np.concatenate([np.zeros((1, 2), int), real], axis=1)
+    unpadded = np.asarray(decoder(np.asarray(embedding(real)), memory))  # a numpy input: no Keras mask
+    np.testing.assert_allclose(np.asarray(model(padded))[:, 2:], unpadded, atol=1e-5)
+    seeing_padding = np.asarray(decoder(np.asarray(embedding(padded)), memory))[:, 2:]
+    assert not np.allclose(seeing_padding, unpadded, atol=1e-4)  # the padding would matter
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
+def test_an_explicit_padding_mask_and_the_keras_mask_both_apply_in_both_norm_orders(norm_first):
+    encoder = EncoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
+    explicit = np.array([[True, False, True, True, True]])
+    model, embedding = _masked_embedding_model(lambda x: encoder(x, padding_mask=explicit))
+    ids = np.array([[4, 6, 9, 0, 0]])  # the Keras mask hides the last two
+    expected = encoder(np.asarray(embedding(ids)), padding_mask=explicit & (ids != 0))
+    np.testing.assert_allclose(model(ids), expected, atol=1e-5)
+
+
+def test_a_keras_mask_with_a_decoding_cache_is_a_clear_error():
+    decoder = DecoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=True)
+    memory = np.zeros((1, 4, 8), "float32")
+    decoder(np.zeros((1, 1, 8), "float32"), memory)  # builds it
+    cache = decoder.init_cache(memory, 6)
+    embedded = keras.layers.Embedding(20, 8, mask_zero=True)(np.array([[3]]))
+    with pytest.raises(ValueError, match="Keras mask of inputs covers the new tokens only"):
+        decoder(embedded, cache=cache, cache_index=0)
+
+
+def test_a_feed_forward_network_on_inputs_of_another_width_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"expects inputs of width d_model=8.*\(2, 5, 6\)"):
+        FeedForward(8, 16)(np.zeros((2, 5, 6), "float32"))

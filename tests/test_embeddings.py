@@ -91,3 +91,26 @@ def test_bad_sizes_are_clear_errors():
         SharedEmbedding(0, 4)
     with pytest.raises(ValueError, match="max_length"):
         PositionalEncoding(max_length=-1)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_the_shared_embedding_in_a_functional_model_embeds_and_projects_as_called_eagerly(policy):
+    """Both directions work on symbolic inputs; the logits are float32 as documented."""
+    import keras
+
+    embedding = SharedEmbedding(11, 4, dtype=policy)
+    ids = keras.Input((None,), dtype="int32")
+    embedded = embedding(ids)
+    logits = embedding(embedded, reverse=True)
+    assert embedded.dtype == embedding.compute_dtype and logits.dtype == "float32"
+    assert tuple(embedded.shape) == (None, None, 4) and tuple(logits.shape) == (None, None, 11)
+    model = keras.Model(ids, [embedded, logits])
+    batch = np.array([[1, 5, 10], [3, 0, 2]])
+    got_embedded, got_logits = model(batch)
+    np.testing.assert_array_equal(got_embedded, embedding(batch))
+    np.testing.assert_array_equal(got_logits, embedding(embedding(batch), reverse=True))
+
+
+def test_positional_encoding_of_inputs_that_are_not_embeddings_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"expects embeddings \[batch, length, d_model\].*\(2, 8\)"):
+        PositionalEncoding()(np.zeros((2, 8), "float32"))

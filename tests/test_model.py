@@ -150,3 +150,21 @@ def test_bad_inputs_get_clear_errors(tiny_model):
         tiny_model((np.zeros((2, 3), "int32"),) * 3)
     with pytest.raises(ValueError, match="d_model=16"):
         EncoderLayer(16, 4, 32)(np.zeros((1, 3, 8), "float32"))
+
+
+def test_a_decoder_stack_with_a_cache_returns_the_same_structure_symbolically_as_eagerly():
+    from keras_transformer import Decoder
+
+    decoder = Decoder(2, 8, 2, 16, dropout_rate=0.0)
+    memory = np.random.default_rng(5).normal(size=(2, 4, 8)).astype("float32")
+    token = np.random.default_rng(6).normal(size=(2, 1, 8)).astype("float32")
+    decoder(token, memory)  # builds it
+    cache = decoder.init_cache(memory, 3)
+    eager = decoder(token, memory, cache=cache, cache_index=0)
+    symbolic_cache = keras.tree.map_structure(lambda t: keras.Input(batch_shape=t.shape, dtype=t.dtype), cache)
+    symbolic_token = keras.Input(batch_shape=token.shape)
+    symbolic = decoder(symbolic_token, None, cache=symbolic_cache, cache_index=0)
+    keras.tree.assert_same_structure(symbolic, eager)
+    assert isinstance(symbolic, tuple) and isinstance(symbolic[1], list)
+    for spec, value in zip(keras.tree.flatten(symbolic), keras.tree.flatten(eager), strict=True):
+        assert tuple(spec.shape) == tuple(value.shape) and spec.dtype == value.dtype
