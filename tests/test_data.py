@@ -137,6 +137,17 @@ def test_seed_makes_epochs_reproducible_and_each_epoch_reshuffles(pairs, multi30
     assert not same(first, second)
 
 
+def test_lengths_are_mixed_across_an_epoch_of_more_batches_than_the_batch_shuffle_buffer(pairs, multi30k_tokenizer):
+    """Batches are cut bucket by bucket; their order must not carry a trend from short to long sentences."""
+    dataset = make_training_dataset(pairs, multi30k_tokenizer, token_budget=96, max_length=MAX_LENGTH, seed=3)
+    lengths = np.array([labels.shape[1] for _, labels in dataset.as_numpy_iterator()])
+    assert len(lengths) > 256  # more than the batch shuffle buffer holds
+    trend = np.corrcoef(np.arange(len(lengths)), lengths)[0, 1]
+    assert abs(trend) < 0.1, trend
+    halves = np.array_split(lengths, 2)
+    assert abs(halves[0].mean() - halves[1].mean()) < 0.05 * lengths.mean()
+
+
 def test_default_budget_batches_are_large_and_not_mostly_padding(pairs, multi30k_tokenizer):
     dataset = make_training_dataset(pairs, multi30k_tokenizer, seed=0)
 
