@@ -457,7 +457,11 @@ def load_corpus(settings, data_dir):
 
         def split(stem):
             paths = (directory / f"{stem}.{source}", directory / f"{stem}.{target}")
-            return paths if all(path.is_file() for path in paths) else None
+            present = [path.is_file() for path in paths]
+            if any(present) and not all(present):  # Likely a misnamed file: not a split to skip quietly.
+                found, missing = paths if present[0] else paths[::-1]
+                raise corpora.DatasetUnavailableError(f"{directory} has {found.name} but not {missing.name}.")
+            return paths if all(present) else None
 
         if split("train") is None:
             raise corpora.DatasetUnavailableError(f"{directory} lacks train.{source} and train.{target}.")
@@ -465,7 +469,8 @@ def load_corpus(settings, data_dir):
             split("train"), split("val"), split("test"), source_lang=source, target_lang=target, name="files"
         )
     return corpora.load_corpus(
-        settings["dataset"], data_dir, source_lang=settings["source_lang"], target_lang=settings["target_lang"]
+        settings["dataset"], data_dir, source_lang=settings["source_lang"], target_lang=settings["target_lang"],
+        seed=settings["seed"],
     )
 
 
@@ -506,7 +511,12 @@ def _vocabulary_error(settings, error):
             f"its characters, byte pieces and reserved ids alone take {needed.group(1)} ids; give --vocab-size "
             f"{needed.group(1)} or more (8000 is usual)."
         )
-    detail = text.split("] ", 1)[-1].splitlines()[0] if text else type(error).__name__
+    if "sentences_.empty()" in text:
+        return (
+            f"The {settings['dataset']} training text has no sentence to learn a vocabulary from: every line is "
+            "empty, not valid UTF-8, or longer than SentencePiece's limit of 4192 bytes."
+        )
+    detail = (text.split("] ", 1)[-1].strip() or text.strip() or type(error).__name__).splitlines()[0]
     return (
         f"Cannot learn a {settings['vocab_size']}-token vocabulary on the {settings['dataset']} training "
         f"text ({detail}); adjust --vocab-size."

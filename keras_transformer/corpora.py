@@ -30,6 +30,7 @@ local copy; a Python package that TFDS needs and lacks raises `MissingPackageErr
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import functools
 import gzip
@@ -118,6 +119,7 @@ def load_corpus(
     source_lang: str | None = None,
     target_lang: str | None = None,
     download: bool = True,
+    seed: int | None = None,
 ) -> ParallelCorpus:
     """Loads one of `CORPUS_NAMES` in the given direction (default: its usual one).
 
@@ -129,6 +131,8 @@ def load_corpus(
         download: Whether TFDS corpora may be downloaded and prepared. Multi30k, being
             small, is downloaded whenever neither `data_dir` nor `$MULTI30K_DIR` is given
             and no copy is cached; a given directory that lacks files is an error.
+        seed: For TFDS corpora, the seed of the order in which the training files are
+            read (see `load_wmt14`); `None` lets TFDS choose, and read, in any order.
 
     Returns:
         The corpus.
@@ -140,8 +144,8 @@ def load_corpus(
     """
     loaders = {
         "multi30k": (load_multi30k, {}),
-        "wmt14": (load_wmt14, {"download": download}),
-        "ted_pt_en": (load_ted_pt_en, {"download": download}),
+        "wmt14": (load_wmt14, {"download": download, "seed": seed}),
+        "ted_pt_en": (load_ted_pt_en, {"download": download, "seed": seed}),
     }
     source_lang, target_lang = check_direction(name, source_lang, target_lang)
     loader, options = loaders[name]
@@ -291,6 +295,7 @@ def load_wmt14(
     source_lang: str = "en",
     target_lang: str = "de",
     download: bool = True,
+    seed: int | None = None,
 ) -> ParallelCorpus:
     """Loads TFDS `wmt14_translate/de-en` (newstest2013 validation, newstest2014 test).
 
@@ -300,6 +305,9 @@ def load_wmt14(
         source_lang: "en" or "de".
         target_lang: The other one.
         download: Whether TFDS may download and prepare the data (several GB).
+        seed: Seed of the (per-epoch) order of the training files. With a seed the
+            training pairs come in the same order in every process, as resuming and
+            multi-worker sharding need; without one TFDS reads the files in any order.
 
     Returns:
         The corpus; `train` is a `tf.data.Dataset` of string pairs.
@@ -308,7 +316,7 @@ def load_wmt14(
         DatasetUnavailableError: When the data is not prepared and cannot be downloaded.
     """
     return _load_tfds(
-        WMT14_TFDS_NAME, CORPUS_LANGUAGES["wmt14"], data_dir, source_lang, target_lang, download
+        WMT14_TFDS_NAME, CORPUS_LANGUAGES["wmt14"], data_dir, source_lang, target_lang, download, seed
     )
 
 
@@ -318,6 +326,7 @@ def load_ted_pt_en(
     source_lang: str = "pt",
     target_lang: str = "en",
     download: bool = True,
+    seed: int | None = None,
 ) -> ParallelCorpus:
     """Loads TFDS `ted_hrlr_translate/pt_to_en` (about 51k training pairs).
 
@@ -326,6 +335,7 @@ def load_ted_pt_en(
         source_lang: "pt" or "en".
         target_lang: The other one.
         download: Whether TFDS may download and prepare the data.
+        seed: As for `load_wmt14`.
 
     Returns:
         The corpus; `train` is a `tf.data.Dataset` of string pairs.
@@ -334,7 +344,7 @@ def load_ted_pt_en(
         DatasetUnavailableError: When the data is not prepared and cannot be downloaded.
     """
     return _load_tfds(
-        TED_PT_EN_TFDS_NAME, CORPUS_LANGUAGES["ted_pt_en"], data_dir, source_lang, target_lang, download
+        TED_PT_EN_TFDS_NAME, CORPUS_LANGUAGES["ted_pt_en"], data_dir, source_lang, target_lang, download, seed
     )
 
 
@@ -345,6 +355,7 @@ def _load_tfds(
     source_lang: str,
     target_lang: str,
     download: bool,
+    seed: int | None,
 ) -> ParallelCorpus:
     """Loads a TFDS translation dataset whose examples are `{language: sentence}` dicts."""
     _check_direction(tfds_name, languages, source_lang, target_lang)
@@ -360,7 +371,8 @@ def _load_tfds(
         download=download,
     )
     try:
-        train = load(split="train", shuffle_files=True)
+        # Without a seed, TFDS also interleaves the shuffled files non-deterministically.
+        train = load(split="train", shuffle_files=True, read_config=tfds.ReadConfig(shuffle_seed=seed))
         validation, test = load(split=["validation", "test"], shuffle_files=False)
     except ImportError as error:
         # Some builders import optional packages only when used: not a missing dataset.
@@ -473,9 +485,13 @@ def read_parallel_files(
 
 
 def _read_lines(path: str | os.PathLike) -> list[bytes]:
-    """Splits a file on "\\n" only (dropping a "\\r" before it), keeping it undecoded."""
+    """Splits a file on "\\n" only (dropping a "\\r" before it), keeping it undecoded.
+
+    A UTF-8 byte order mark at the start, which some editors write, is not text: left
+    in, it would begin the first sentence, source and reference alike.
+    """
     with tf.io.gfile.GFile(os.fspath(path), "rb") as text_file:
-        lines = text_file.read().split(b"\n")
+        lines = text_file.read().removeprefix(codecs.BOM_UTF8).split(b"\n")
     if lines[-1] == b"":
         lines.pop()
     return [line[:-1] if line.endswith(b"\r") else line for line in lines]

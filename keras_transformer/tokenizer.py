@@ -39,7 +39,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
+import math
 import os
+import random
 from typing import Iterable
 
 import sentencepiece
@@ -181,7 +184,8 @@ def train_tokenizer(
 
     Training is deterministic for a given input, seed and `max_sentences`, and logs
     nothing but errors. The input is streamed; when it holds more than `max_sentences`
-    sentences, SentencePiece keeps a seeded uniform sample of that many.
+    sentences, a seeded uniform sample of that many is learned from (`seeded_sample`;
+    SentencePiece's own sampling of a sentence iterator ignores the seed).
 
     Args:
         sentences: Training sentences of both languages (e.g.
@@ -202,7 +206,7 @@ def train_tokenizer(
     sentencepiece.set_random_generator_seed(seed)
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
+        sentence_iterator=iter(seeded_sample(sentences, max_sentences, seed)),
         model_writer=model,
         model_type="bpe",
         vocab_size=vocab_size,
@@ -213,12 +217,46 @@ def train_tokenizer(
         unk_id=UNK_ID,
         bos_id=BOS_ID,
         eos_id=EOS_ID,
+        # Already at most this many: SentencePiece then only shuffles them, with the seed.
         input_sentence_size=max_sentences,
         shuffle_input_sentence=True,
         num_threads=num_threads or os.cpu_count() or 1,
         minloglevel=_SENTENCEPIECE_LOG_LEVEL,
     )
     return SubwordTokenizer(model.getvalue())
+
+
+def seeded_sample(items: Iterable, size: int, seed: int) -> list:
+    """A uniform random sample of `size` of `items` (all of them if fewer), the same for the same seed.
+
+    Algorithm L (Li, 1994): one pass over `items`, keeping `size` of them in memory,
+    with about `size * (1 + log(n / size))` random draws for `n` items, so a corpus
+    of millions of sentences costs little more than reading it.
+
+    Returns:
+        The sample; while `items` holds at most `size`, all of them in their order.
+    """
+    rng = random.Random(seed)
+
+    def uniform():  # In (0, 1): the logarithms below need it above 0.
+        return rng.random() or uniform()
+
+    iterator = iter(items)
+    reservoir = list(itertools.islice(iterator, size))
+    if len(reservoir) < size or size == 0:
+        return reservoir
+    weight = math.exp(math.log(uniform()) / size)
+    while weight < 1.0:
+        skip = math.floor(math.log(uniform()) / math.log1p(-weight))
+        item = next(itertools.islice(iterator, skip, None), _END)
+        if item is _END:
+            break
+        reservoir[rng.randrange(size)] = item
+        weight *= math.exp(math.log(uniform()) / size)
+    return reservoir
+
+
+_END = object()
 
 
 class _SharedSentencepieceModel(tf.saved_model.experimental.TrackableResource):

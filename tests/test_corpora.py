@@ -8,6 +8,7 @@ import time
 import warnings
 
 import pytest
+import tensorflow as tf
 
 from keras_transformer import corpora
 from keras_transformer.corpora import (
@@ -193,6 +194,13 @@ def test_empty_and_invalid_lines_skip_their_pair_with_one_warning(tmp_path):
     assert "3 with an empty side, 2 not valid UTF-8" in str(caught[0].message)
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path):
+    source, target = tmp_path / "s.txt", tmp_path / "t.txt"
+    source.write_bytes("\ufeffHello world.\nBye.\n".encode("utf-8"))
+    target.write_bytes("\ufeffHallo Welt.\r\nTschüss.\r\n".encode("utf-8"))
+    assert read_parallel_files(source, target) == [("Hello world.", "Hallo Welt."), ("Bye.", "Tschüss.")]
+
+
 def test_clean_files_load_without_warning(tmp_path):
     paths = {}
     for split, lines in (("train", ("a b", "c d")), ("dev", ("e f",))):
@@ -237,3 +245,21 @@ def test_the_direction_is_checked_without_loading():
     assert corpora.check_direction("multi30k", "de", "en") == ("de", "en")
     with pytest.raises(ValueError, match="translates between 'en' and 'de'"):
         corpora.check_direction("multi30k", "fr")
+
+
+@pytest.mark.parametrize("name", ["wmt14", "ted_pt_en"])
+def test_tfds_training_files_are_read_in_the_order_of_the_seed(name, tmp_path, monkeypatch):
+    """Without a shuffle seed TFDS interleaves its shuffled files in any order, which resume and sharding cannot use."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    languages = corpora.CORPUS_LANGUAGES[name]
+    calls = {}
+
+    def load(tfds_name, split, shuffle_files, read_config=None, **kwargs):
+        calls[str(split)] = (shuffle_files, read_config)
+        examples = tf.data.Dataset.from_tensor_slices({language: ["x"] for language in languages})
+        return examples if isinstance(split, str) else [examples for _ in split]
+
+    monkeypatch.setattr(tfds, "load", load)
+    load_corpus(name, tmp_path, download=False, seed=5)
+    shuffle_files, read_config = calls["train"]
+    assert shuffle_files and read_config.shuffle_seed == 5

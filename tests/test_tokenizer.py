@@ -13,6 +13,7 @@ from keras_transformer.tokenizer import (
     PAD_ID,
     UNK_ID,
     SubwordTokenizer,
+    seeded_sample,
     train_tokenizer,
 )
 
@@ -57,6 +58,39 @@ def test_training_is_deterministic(multi30k_dir):
     second = train_tokenizer(sentences, vocab_size=1000, max_sentences=1500, seed=3)
 
     assert first.model_proto == second.model_proto
+
+
+_SAMPLED_VOCABULARY = """
+import hashlib, sys
+from keras_transformer.tokenizer import train_tokenizer
+lines = [line for path in sys.argv[1:] for line in open(path, encoding="utf-8").read().splitlines()]
+print(hashlib.sha256(train_tokenizer(lines, 1000, max_sentences=1500, seed=3).model_proto).hexdigest())
+"""
+
+
+@pytest.mark.slow
+def test_a_sampled_vocabulary_is_the_same_in_every_process(multi30k_dir):
+    """SentencePiece's own sampling of an iterator differs from process to process, whatever the seed."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", _SAMPLED_VOCABULARY, str(multi30k_dir / "val.en"), str(multi30k_dir / "val.de")]
+    digests = {subprocess.run(command, capture_output=True, text=True, check=True).stdout for _ in range(3)}
+    assert len(digests) == 1, digests
+
+
+def test_the_seeded_sample_is_uniform_and_reproducible():
+    """Each of 50 items is kept with probability 10/50 (binomial bounds over 4000 seeds); one seed, one sample."""
+    counts = np.zeros(50)
+    for seed in range(4000):
+        sample = seeded_sample(range(50), 10, seed)
+        assert len(sample) == len(set(sample)) == 10
+        counts[sample] += 1
+    expected, spread = 4000 * 0.2, np.sqrt(4000 * 0.2 * 0.8)  # 800, 25
+    assert np.all(np.abs(counts - expected) < 5 * spread), counts
+    assert seeded_sample(iter(range(1000)), 30, 7) == seeded_sample(range(1000), 30, 7)
+    assert seeded_sample(iter(range(1000)), 30, 7) != seeded_sample(range(1000), 30, 8)
+    assert seeded_sample(["a", "b"], 5, 0) == ["a", "b"]
 
 
 def test_ids_match_python_sentencepiece_and_have_no_bos_eos(multi30k_dir, multi30k_tokenizer):

@@ -842,3 +842,26 @@ def test_a_corpus_without_a_pair_short_enough_is_one_line(tmp_path, multi30k_dir
         result.returncode, result.stderr, "No training pair is left", "longer than --max-length 3 allows (2 tokens)",
         f"delete {run} first",
     )
+
+
+def _files_corpus(directory, files):
+    directory.mkdir()
+    for name, text in files.items():
+        (directory / name).write_bytes(text)
+    return ["--dataset", "files", "--data-dir", str(directory), "--source-lang", "en", "--target-lang", "de"]
+
+
+def test_a_training_text_without_a_usable_line_is_one_line(tmp_path, capsys):
+    """Every line empty or not UTF-8: SentencePiece has nothing to learn from (its message ends in "] ")."""
+    flags = _files_corpus(tmp_path / "data", {"train.en": b"\n \n\xff\xfe\n", "train.de": b"\nzwei\ndrei\n"})
+    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", *flags])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "training text has no sentence to learn a vocabulary")
+
+
+def test_a_split_with_only_one_of_its_files_is_one_line(tmp_path, capsys):
+    """val.en next to a misnamed German file: not a run without validation, but an error naming the file."""
+    files = {"train.en": b"A dog.\n", "train.de": b"Ein Hund.\n", "val.en": b"A cat.\n", "valid.de": b"Eine Katze.\n"}
+    flags = _files_corpus(tmp_path / "data", files)
+    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", *flags])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "has val.en but not val.de")
+    assert not (tmp_path / "run").exists()
