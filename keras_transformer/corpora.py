@@ -34,6 +34,7 @@ import codecs
 import dataclasses
 import functools
 import gzip
+import logging
 import os
 import shutil
 import warnings
@@ -42,6 +43,8 @@ from typing import Iterator, Sequence
 
 import keras
 import tensorflow as tf
+
+logger = logging.getLogger(__name__)
 
 Pair = tuple[str, str]
 
@@ -364,13 +367,15 @@ def _load_tfds(
     except ImportError as error:
         raise _missing_package(tfds_name, error) from error
 
-    load = functools.partial(
-        tfds.load,
-        tfds_name,
-        data_dir=None if data_dir is None else os.fspath(data_dir),
-        download=download,
-    )
+    data_dir = None if data_dir is None else os.fspath(data_dir)
+    load = functools.partial(tfds.load, tfds_name, data_dir=data_dir, download=download)
     try:
+        if download and not tfds.builder(tfds_name, data_dir=data_dir).is_prepared():
+            # Minutes to hours, and offline several minutes of retries before the error.
+            logger.info(
+                "TFDS dataset %s is not prepared in %s; downloading and preparing it (needs internet access; "
+                "WMT14 takes several GB and hours).", tfds_name, data_dir or "the default TFDS data directory",
+            )
         # Without a seed, TFDS also interleaves the shuffled files non-deterministically.
         train = load(split="train", shuffle_files=True, read_config=tfds.ReadConfig(shuffle_seed=seed))
         validation, test = load(split=["validation", "test"], shuffle_files=False)

@@ -263,3 +263,21 @@ def test_tfds_training_files_are_read_in_the_order_of_the_seed(name, tmp_path, m
     load_corpus(name, tmp_path, download=False, seed=5)
     shuffle_files, read_config = calls["train"]
     assert shuffle_files and read_config.shuffle_seed == 5
+
+
+def test_a_tfds_download_is_announced_before_it_starts(tmp_path, monkeypatch, caplog):
+    """Preparing WMT14 takes hours, and offline TFDS retries for minutes before failing: say what is going on."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+
+    class Unprepared:
+        def is_prepared(self):
+            return False
+
+    def load(*args, **kwargs):
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: Unprepared())
+    monkeypatch.setattr(tfds, "load", load)
+    with caplog.at_level("INFO", logger="keras_transformer.corpora"), pytest.raises(DatasetUnavailableError):
+        load_corpus("wmt14", tmp_path)
+    assert f"wmt14_translate/de-en is not prepared in {tmp_path}; downloading" in caplog.text
