@@ -20,25 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (standard library only at import)
 
 
-def read_scalars(event_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
-    """`{tag: [(step, wall_time, value), ...]}` of every scalar summary under `event_dir`."""
-    import tensorflow as tf
-    from tensorflow.core.util import event_pb2
-
-    scalars: dict[str, list[tuple[int, float, float]]] = {}
-    for path in sorted(event_dir.glob("events.out.tfevents.*")):
-        for record in tf.data.TFRecordDataset(str(path)):
-            event = event_pb2.Event.FromString(record.numpy())
-            for value in event.summary.value:
-                if value.metadata.plugin_data.plugin_name != "scalars":
-                    continue  # attention heatmaps are images
-                number = float(tf.make_ndarray(value.tensor))
-                scalars.setdefault(value.tag, []).append((int(event.step), float(event.wall_time), number))
-    return {tag: sorted(points) for tag, points in scalars.items()}
-
-
 def learning_curve(run_dir: Path) -> dict:
     """Validation metrics of `run_dir` by step and minutes since the start of training."""
+    from keras_transformer.run_dir import read_scalars
+
     logs = run_dir / "logs"
     train = read_scalars(logs / "train")
     if not train:

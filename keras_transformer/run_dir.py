@@ -276,22 +276,34 @@ def _error_summary(error):
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
+def read_scalars(event_dir):
+    """`{tag: [(step, wall_time, value), ...]}` of the scalar summaries under `event_dir`, by step.
+
+    Other summaries (the attention images) are skipped; a record cut off by a crash ends
+    the reading of its file, and the records before it count.
+    """
+    scalars = {}
+    for path in sorted(Path(event_dir).glob("events.out.tfevents.*")):
+        try:
+            for record in tf.data.TFRecordDataset(str(path)):
+                event = event_pb2.Event.FromString(record.numpy())
+                for value in event.summary.value:
+                    if value.metadata.plugin_data.plugin_name == "scalars":
+                        point = (int(event.step), float(event.wall_time), float(tf.make_ndarray(value.tensor)))
+                        scalars.setdefault(value.tag, []).append(point)
+        except tf.errors.DataLossError:
+            pass
+    return {tag: sorted(points) for tag, points in scalars.items()}
+
+
 def validated_steps(run_dir):
     """The steps whose validation metrics `RUN/logs/validation` holds.
 
     A validation writes its images first and its metrics last, so a step with images
     alone is one whose validation was cut off.
     """
-    steps = set()
-    for path in sorted((Path(run_dir) / LOG_DIR / "validation").glob("events.out.tfevents.*")):
-        try:
-            for record in tf.data.TFRecordDataset(str(path)):
-                event = event_pb2.Event.FromString(record.numpy())
-                if any(value.metadata.plugin_data.plugin_name == "scalars" for value in event.summary.value):
-                    steps.add(event.step)
-        except tf.errors.DataLossError:  # A record cut off by a crash: those before it count.
-            pass
-    return steps
+    scalars = read_scalars(Path(run_dir) / LOG_DIR / "validation")
+    return {step for points in scalars.values() for step, _, _ in points}
 
 
 def translation_settings(run_dir):
