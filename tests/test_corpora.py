@@ -247,22 +247,36 @@ def test_the_direction_is_checked_without_loading():
         corpora.check_direction("multi30k", "fr")
 
 
-@pytest.mark.parametrize("name", ["wmt14", "ted_pt_en"])
-def test_tfds_training_files_are_read_in_the_order_of_the_seed(name, tmp_path, monkeypatch):
-    """Without a shuffle seed TFDS interleaves its shuffled files in any order, which resume and sharding cannot use."""
+_READ_TFDS_TRAIN = """
+import hashlib, sys
+from keras_transformer import corpora
+corpora.WMT14_TFDS_NAME = "tiny_pairs/en_de"  # A local stand-in, sharded as TFDS shards WMT14.
+corpus = corpora.load_corpus("wmt14", sys.argv[1], download=False, seed=5)
+epochs = [b"|".join(source for source, _ in corpus.train.as_numpy_iterator()) for _ in range(2)]
+print(hashlib.sha256(epochs[0]).hexdigest(), hashlib.sha256(epochs[1]).hexdigest(), len(epochs[0].split(b"|")))
+"""
+
+
+@pytest.mark.slow
+def test_tfds_training_pairs_come_in_the_same_order_in_every_process(tmp_path):
+    """Without a shuffle seed, TFDS interleaves its shuffled files in any order: resume and sharding need one order."""
+    import subprocess
+    import sys
+
     tfds = pytest.importorskip("tensorflow_datasets")
-    languages = corpora.CORPUS_LANGUAGES[name]
-    calls = {}
-
-    def load(tfds_name, split, shuffle_files, read_config=None, **kwargs):
-        calls[str(split)] = (shuffle_files, read_config)
-        examples = tf.data.Dataset.from_tensor_slices({language: ["x"] for language in languages})
-        return examples if isinstance(split, str) else [examples for _ in split]
-
-    monkeypatch.setattr(tfds, "load", load)
-    load_corpus(name, tmp_path, download=False, seed=5)
-    shuffle_files, read_config = calls["train"]
-    assert shuffle_files and read_config.shuffle_seed == 5
+    sentences = tf.data.Dataset.from_tensor_slices({"en": [f"s {i}" for i in range(2000)], "de": ["x"] * 2000})
+    builder = tfds.dataset_builders.TfDataBuilder(
+        name="tiny_pairs", config="en_de", version="1.0.0", data_dir=str(tmp_path),
+        split_datasets={"train": sentences, "validation": sentences.take(8), "test": sentences.take(8)},
+        features=tfds.features.FeaturesDict({"en": tfds.features.Text(), "de": tfds.features.Text()}),
+    )
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(num_shards=4))
+    command = [sys.executable, "-c", _READ_TFDS_TRAIN, str(tmp_path)]
+    outputs = [subprocess.run(command, capture_output=True, text=True, check=True).stdout for _ in range(2)]
+    runs = {tuple(output.split()[-3:]) for output in outputs}
+    assert len(runs) == 1, runs
+    ((first_epoch, second_epoch, pairs),) = runs
+    assert pairs == "2000" and first_epoch != second_epoch  # every pair, reshuffled each epoch
 
 
 def test_a_tfds_download_is_announced_before_it_starts(tmp_path, monkeypatch, caplog):
