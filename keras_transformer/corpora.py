@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import functools
 import gzip
 import logging
 import os
 import shutil
+import urllib.error
+import urllib.parse
+import urllib.request
 import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -368,27 +370,29 @@ def _load_tfds(
         raise _missing_package(tfds_name, error) from error
 
     data_dir = None if data_dir is None else os.fspath(data_dir)
-    load = functools.partial(tfds.load, tfds_name, data_dir=data_dir, download=download)
+    where = data_dir or "the default TFDS data directory"
     try:
-        if download and not tfds.builder(tfds_name, data_dir=data_dir).is_prepared():
-            # Minutes to hours, and offline several minutes of retries before the error.
+        builder = tfds.builder(tfds_name, data_dir=data_dir)
+        if download and not builder.is_prepared():
+            _check_download_hosts(tfds_name, builder.url_infos)
+            # Minutes to hours: say what is going on before TFDS goes quiet.
             logger.info(
                 "TFDS dataset %s is not prepared in %s; downloading and preparing it (needs internet access; "
-                "WMT14 takes several GB and hours).", tfds_name, data_dir or "the default TFDS data directory",
+                "WMT14 takes several GB and hours).", tfds_name, where,
             )
+            builder.download_and_prepare()
         # Without a seed, TFDS also interleaves the shuffled files non-deterministically.
-        train = load(split="train", shuffle_files=True, read_config=tfds.ReadConfig(shuffle_seed=seed))
-        validation, test = load(split=["validation", "test"], shuffle_files=False)
+        train = builder.as_dataset(split="train", shuffle_files=True, read_config=tfds.ReadConfig(shuffle_seed=seed))
+        validation, test = builder.as_dataset(split=["validation", "test"], shuffle_files=False)
     except ImportError as error:
         # Some builders import optional packages only when used: not a missing dataset.
         raise _missing_package(tfds_name, error) from error
+    except DatasetUnavailableError:
+        raise
     except Exception as error:  # TFDS raises many types: not found, network, I/O.
         raise DatasetUnavailableError(
-            f"TFDS dataset {tfds_name} is not available in "
-            f"{data_dir or 'the default TFDS data directory'} ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}). Prepare it with "
-            f"`tfds build {tfds_name} --data_dir DIR` on a machine with internet access and "
-            "pass DIR with --data-dir (or set TFDS_DATA_DIR)."
+            f"TFDS dataset {tfds_name} is not available in {where} ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}). " + _tfds_help(tfds_name)
         ) from None
 
     def to_pair(example):
@@ -402,6 +406,41 @@ def _load_tfds(
         validation=_decode_pairs(validation.map(to_pair)),
         test=_decode_pairs(test.map(to_pair)),
     )
+
+
+def _tfds_help(tfds_name: str) -> str:
+    return (
+        f"Prepare it with `tfds build {tfds_name} --data_dir DIR` on a machine with internet access and "
+        "pass DIR with --data-dir (or set TFDS_DATA_DIR)."
+    )
+
+
+def _check_download_hosts(tfds_name: str, url_infos: dict | None, timeout: float = 15.0) -> None:
+    """Fails at once if a host the dataset downloads from cannot be reached.
+
+    Offline, TFDS retries each download ten times with growing back-off (about 3.5
+    minutes) before it fails, and leaves partial downloads behind. One request per host,
+    without retries, tells the same in about a second. Any HTTP answer, an error status
+    included, counts as reachable: only a failed connection (no DNS, refused, timed out)
+    stops the download. Proxies in the environment are used, as TFDS uses them.
+    """
+    urls_by_host = {}
+    for url in url_infos or {}:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme in ("http", "https"):
+            urls_by_host.setdefault(parts.netloc, url)
+    for host, url in sorted(urls_by_host.items()):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout):
+                pass
+        except urllib.error.HTTPError:
+            pass  # The server answered.
+        except (urllib.error.URLError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            raise DatasetUnavailableError(
+                f"TFDS dataset {tfds_name} is not prepared and downloading it needs {host}, which cannot be "
+                f"reached ({reason}). " + _tfds_help(tfds_name)
+            ) from None
 
 
 def _decode_pairs(dataset: tf.data.Dataset) -> list[Pair]:

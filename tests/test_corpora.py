@@ -3,6 +3,7 @@
 import functools
 import gzip
 import http.server
+import socket
 import threading
 import time
 import warnings
@@ -147,7 +148,7 @@ def test_tfds_corpus_maps_examples_to_pairs_in_the_asked_direction(tmp_path):
 
     with tfds.testing.mock_data(num_examples=4):  # Random text, no files, no network.
         forward = load_corpus("wmt14", tmp_path, download=False)
-        backward = load_corpus("wmt14", tmp_path, source_lang="de", target_lang="en")
+        backward = load_corpus("wmt14", tmp_path, source_lang="de", target_lang="en", download=False)
 
     assert (forward.source_lang, forward.target_lang) == ("en", "de")
     assert len(forward.validation) == len(forward.test) == 4
@@ -228,10 +229,10 @@ def test_a_package_tfds_lacks_is_named_not_taken_for_missing_data(name, tmp_path
     """Some TFDS builders import optional packages (e.g. importlib_resources) only when loading."""
     tfds = pytest.importorskip("tensorflow_datasets")
 
-    def load(*args, **kwargs):
+    def builder(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'importlib_resources'", name="importlib_resources")
 
-    monkeypatch.setattr(tfds, "load", load)
+    monkeypatch.setattr(tfds, "builder", builder)
     with pytest.raises(ImportError, match="pip install importlib_resources") as raised:
         load_corpus(name, tmp_path, download=False)
 
@@ -279,19 +280,56 @@ def test_tfds_training_pairs_come_in_the_same_order_in_every_process(tmp_path):
     assert pairs == "2000" and first_epoch != second_epoch  # every pair, reshuffled each epoch
 
 
+class _UnpreparedBuilder:
+    """A TFDS builder whose data is not prepared and whose download fails once started."""
+
+    def __init__(self, urls):
+        self.url_infos = dict.fromkeys(urls)
+        self.downloads = 0
+
+    def is_prepared(self):
+        return False
+
+    def download_and_prepare(self):
+        self.downloads += 1
+        raise ConnectionError("the download itself failed")
+
+
 def test_a_tfds_download_is_announced_before_it_starts(tmp_path, monkeypatch, caplog):
-    """Preparing WMT14 takes hours, and offline TFDS retries for minutes before failing: say what is going on."""
+    """Preparing WMT14 takes hours: say what is going on before TFDS goes quiet."""
     tfds = pytest.importorskip("tensorflow_datasets")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietHandler)  # Answers 404: reachable.
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    builder = _UnpreparedBuilder([f"http://127.0.0.1:{server.server_port}/training-parallel.tgz"])
+    monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: builder)
+    try:
+        with caplog.at_level("INFO", logger="keras_transformer.corpora"), pytest.raises(
+            DatasetUnavailableError, match="the download itself failed"
+        ):
+            load_corpus("wmt14", tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()
 
-    class Unprepared:
-        def is_prepared(self):
-            return False
-
-    def load(*args, **kwargs):
-        raise ConnectionError("offline")
-
-    monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: Unprepared())
-    monkeypatch.setattr(tfds, "load", load)
-    with caplog.at_level("INFO", logger="keras_transformer.corpora"), pytest.raises(DatasetUnavailableError):
-        load_corpus("wmt14", tmp_path)
+    assert builder.downloads == 1
     assert f"wmt14_translate/de-en is not prepared in {tmp_path}; downloading" in caplog.text
+
+
+def test_an_unreachable_tfds_download_host_fails_at_once(tmp_path, monkeypatch, caplog):
+    """Offline, TFDS itself retries for about 3.5 minutes and leaves partial downloads behind."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    with socket.socket() as unused:  # A port nothing listens on once closed.
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    builder = _UnpreparedBuilder(["ftp://ftp.example/skipped.tgz", f"http://127.0.0.1:{port}/news.tgz"])
+    monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: builder)
+    start = time.monotonic()
+
+    with caplog.at_level("INFO", logger="keras_transformer.corpora"), pytest.raises(
+        DatasetUnavailableError, match=f"needs 127.0.0.1:{port}, which cannot be reached"
+    ) as raised:
+        load_corpus("ted_pt_en", tmp_path)
+
+    assert time.monotonic() - start < 10
+    assert builder.downloads == 0 and "downloading" not in caplog.text
+    assert "tfds build ted_hrlr_translate/pt_to_en --data_dir DIR" in str(raised.value)
