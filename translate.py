@@ -19,6 +19,7 @@ directory or a model base directory (its highest version is used) is loaded with
 """
 
 import argparse
+import codecs
 import os
 import re
 import sys
@@ -31,8 +32,8 @@ DEFAULT_BEAM_SIZE = 4
 DEFAULT_ALPHA = 0.6
 
 
-class BadRunDirError(Exception):
-    """A --run-dir, --checkpoint or --beam-size the in-process `Translator` cannot load with, for main to report."""
+class LoadError(Exception):
+    """A --run-dir, --saved-model, --checkpoint or --beam-size no translator loads with, for main to report."""
 
 
 def parse_args(argv=None):
@@ -44,8 +45,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--checkpoint",
-        default="best",
-        help='With --run-dir: "best", "averaged", "latest" or a path.',
+        help='With --run-dir: "best" (default), "averaged", "latest" or a path.',
     )
     parser.add_argument(
         "--beam-size",
@@ -83,6 +83,8 @@ def parse_args(argv=None):
         parser.error("--max-length must be at least 1.")
     if args.jit_compile and (args.saved_model or args.n_best or args.max_length is not None):
         parser.error("--jit-compile goes with --run-dir, without --n-best and --max-length.")
+    if args.checkpoint is not None and args.saved_model:
+        parser.error("--checkpoint goes with --run-dir; a SavedModel holds one set of weights.")
     return args
 
 
@@ -108,9 +110,11 @@ def load_translator(args):
     given = {"beam_size": args.beam_size, "alpha": args.alpha}
     options = {name: value for name, value in given.items() if value is not None}
     try:
-        module = Translator.from_run_dir(args.run_dir, args.checkpoint, jit_compile=args.jit_compile, **options)
+        module = Translator.from_run_dir(
+            args.run_dir, args.checkpoint or "best", jit_compile=args.jit_compile, **options
+        )
     except (RunDirError, ValueError) as error:  # ValueError: a --beam-size over the translator's limit.
-        raise BadRunDirError(error) from None
+        raise LoadError(error) from None
     return module, module.signatures()
 
 
@@ -128,24 +132,40 @@ def translate_fn(signatures, args):
 
 
 def version_directory(path):
-    """`path` if it holds a SavedModel, else its highest-numbered version subdirectory."""
+    """`path` if it holds a SavedModel, else its highest-numbered version subdirectory.
+
+    Raises:
+        LoadError: When neither holds a `saved_model.pb`.
+    """
     path = Path(path)
     if (path / "saved_model.pb").is_file():
         return path
     versions = sorted((p for p in path.glob("*") if p.name.isdigit()), key=lambda p: int(p.name))
     if not versions:
-        raise SystemExit(f"{path} holds neither a saved_model.pb nor numbered version directories.")
+        raise LoadError(f"{path} holds neither a saved_model.pb nor numbered version directories.")
+    if not (versions[-1] / "saved_model.pb").is_file():
+        raise LoadError(f"{versions[-1]}, the highest version in {path}, holds no saved_model.pb.")
     return versions[-1]
 
 
-def read_sentences(args):
+def open_input(args):
+    """The binary stream sentences are read from: `--input`'s file, else stdin (`None` with arguments)."""
+    if args.sentences:
+        return None
+    return open(args.input, "rb") if args.input else sys.stdin.buffer
+
+
+def read_sentences(args, stream):
     """Sentences as UTF-8 bytes (invalid bytes are passed on; the translator copes)."""
     if args.sentences:
         # fsencode: the bytes as given, also those that are not UTF-8.
         return [os.fsencode(sentence) for sentence in args.sentences]
-    lines = open(args.input, "rb") if args.input else sys.stdin.buffer
-    with lines:
-        return [line.rstrip(b"\r\n") for line in lines]
+    with stream:
+        data = stream.read().removeprefix(codecs.BOM_UTF8)  # An editor's mark, not text.
+    lines = data.split(b"\n")  # On "\n" only, as the corpus reader: a stray "\r" must not shift lines.
+    if lines[-1] == b"":
+        lines.pop()
+    return [line.rstrip(b"\r") for line in lines]
 
 
 def batches(items, size):
@@ -184,14 +204,16 @@ def main(argv=None):
     """Translates as the command line `argv` asks; returns the exit code (2 for bad input)."""
     args = parse_args(argv)
     try:
-        # The input first: a missing file should not wait for the model to load.
-        sentences = read_sentences(args)
+        # Opened first: a missing file should not wait for the model to load.
+        stream = open_input(args)
     except OSError as error:
         return fail(f"cannot read --input {args.input}: {error.strerror or error}.")
     try:
+        # Loaded before stdin is read: whoever types sentences learns of a bad model path at once.
         module, signatures = load_translator(args)  # `module` must outlive the signatures.
-    except BadRunDirError as error:
+    except LoadError as error:
         return fail(error)
+    sentences = read_sentences(args, stream)
     translate = translate_fn(signatures, args)
     for index, batch in enumerate(batches(sentences, args.batch_size)):
         try:

@@ -4,7 +4,7 @@ import argparse
 import itertools
 import sys
 
-from export import ExportError, export_run
+from export.saved_model import ExportError, export_run
 from keras_transformer.run_dir import RunDirError
 from keras_transformer.translator import DEFAULT_MAX_INPUT_LENGTH, MAX_BEAM_SIZE
 

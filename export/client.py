@@ -20,10 +20,17 @@ Both return one dict per sentence: `translation` and `score`, plus `translations
 
     python -m export.client --rest http://localhost:8501 --model transformer "A sentence."
     python -m export.client --grpc localhost:8500 --model transformer --beam-size 8 < input.txt
+
+The command line sends `--batch-size` sentences per request (default 32; the 1,000
+Multi30k test sentences in one request take about 100 s on a 2-core CPU, twice as long
+as in batches of 32) and prints each batch's translations as they come. The REST
+client uses the standard library only.
 """
 
 import argparse
+import codecs
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -78,6 +85,10 @@ def translate_rest(server, model, sentences, *, options=None, version=None, time
         ) from None
     except urllib.error.URLError as error:
         raise ServingError(f"Cannot reach {request.full_url}: {error.reason}") from None
+    except TimeoutError:  # Raised bare when the answer, not the connection, is late.
+        raise ServingError(f"No answer from {request.full_url} within {timeout:g} s.") from None
+    except (OSError, ValueError) as error:  # A dropped connection, or an answer that is not JSON.
+        raise ServingError(f"Bad answer from {request.full_url}: {error}") from None
     if options is None:
         return answer["predictions"]
     return _rows(answer["outputs"])
@@ -163,9 +174,35 @@ def parse_args(argv=None):
     )
     parser.add_argument("--scores", action="store_true", help="Print 'score<TAB>translation'.")
     parser.add_argument(
+        "--batch-size", type=int, default=32, help="Sentences per request (default: 32)."
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, help="Seconds to wait for each answer (default: 60)."
+    )
+    parser.add_argument(
         "sentences", nargs="*", help="Sentences to translate; default: lines of stdin."
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error("--batch-size must be at least 1.")
+    if args.timeout <= 0:
+        parser.error("--timeout must be more than 0.")
+    return args
+
+
+def read_sentences(args):
+    """The sentences of the arguments or of stdin's lines, as valid str.
+
+    Bytes that are not UTF-8 become U+FFFD here: JSON and protobuf strings cannot carry
+    them (the model would read them as U+FFFD too). A line's "\\r\\n" and a byte order
+    mark at the start of the input are not text.
+    """
+    if args.sentences:
+        return [os.fsencode(sentence).decode("utf-8", errors="replace") for sentence in args.sentences]
+    lines = sys.stdin.buffer.read().removeprefix(codecs.BOM_UTF8).split(b"\n")  # "\n" only: lines stay aligned.
+    if lines[-1] == b"":
+        lines.pop()
+    return [line.rstrip(b"\r").decode("utf-8", errors="replace") for line in lines]
 
 
 def request_options(args):
@@ -187,20 +224,28 @@ def request_options(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    sentences = args.sentences or [line.rstrip("\n") for line in sys.stdin]
+    sentences = read_sentences(args)
     translate = translate_rest if args.rest else translate_grpc
-    try:
-        results = translate(
-            args.rest or args.grpc,
-            args.model,
-            sentences,
-            options=request_options(args),
-            version=args.version,
-        )
-    except ServingError as error:
-        print(f"translation failed: {error}", file=sys.stderr)
-        return 1
-    for index, result in enumerate(results):
+    for start in range(0, len(sentences), args.batch_size):
+        try:
+            results = translate(
+                args.rest or args.grpc,
+                args.model,
+                sentences[start : start + args.batch_size],
+                options=request_options(args),
+                version=args.version,
+                timeout=args.timeout,
+            )
+        except ServingError as error:
+            print(f"translation failed: {error}", file=sys.stderr)
+            return 1
+        print_results(results, start, args)
+        sys.stdout.flush()  # Each batch as it comes: a long input shows its progress.
+    return 0
+
+
+def print_results(results, first_index, args):
+    for index, result in enumerate(results, start=first_index):
         if args.n_best:
             for translation, score in zip(result["translations"], result["scores"], strict=True):
                 print(f"{index} ||| {translation} ||| {score:.4f}")
@@ -208,7 +253,6 @@ def main(argv=None):
             print(f"{result['score']:.4f}\t{result['translation']}")
         else:
             print(result["translation"])
-    return 0
 
 
 if __name__ == "__main__":

@@ -416,7 +416,8 @@ def beam_search(
         model: A `keras_transformer.Transformer` (any dtype policy).
         source_ids: int `[batch, source_length]`, each row ending with EOS and padded
             with `model.pad_id` (as `keras_transformer.data.make_translation_dataset`
-            makes them).
+            makes them). With learned positional encodings, at most `model.max_length`
+            long (`Translator` cuts longer sources).
         beam_size: Beams per sentence (the paper: 4); int, or int32 scalar in graph mode.
         alpha: Length penalty strength (the paper: 0.6).
         max_extra_length: Each row generates at most its source length (padding
@@ -446,6 +447,10 @@ def beam_search(
         log-probability divided by `((5 + lengths) / 6) ** alpha`. With `n_best`, each
         gets an `n_best` axis after the batch axis, best first. Pass `tokens` to
         `SubwordTokenizer.detokenize` to get text.
+
+    Raises:
+        ValueError: For sources longer than learned positional encodings cover, and
+            options out of range.
     """
     options = dict(
         beam_size=beam_size,
@@ -458,6 +463,7 @@ def beam_search(
     )
     if output_kernel is not None:
         _check_output_kernel(model, output_kernel)
+    _check_source_length(model, source_ids)
     if tf.executing_eagerly():
         options = {name: _python_option(name, value) for name, value in options.items()}
         search_fn = _traced_search(model, jit_compile, output_kernel is not None, **options)
@@ -466,6 +472,16 @@ def beam_search(
             args.append(tf.cast(output_kernel, model.embedding.compute_dtype))
         return search_fn(*args)
     return _search_transformer(model, source_ids, output_kernel=output_kernel, **options)
+
+
+def _check_source_length(model, source_ids):
+    """A source past learned positions fails in the encoder, or under XLA reads the last position silently."""
+    length = tf.TensorShape(getattr(source_ids, "shape", None)).with_rank(2)[1]
+    if model.learned_positions and length is not None and length > model.max_length:
+        raise ValueError(
+            f"source_ids are {length} tokens long, but the model's learned positional encodings cover "
+            f"{model.max_length}: cut the sources to that length (as Translator does)."
+        )
 
 
 def _search_transformer(

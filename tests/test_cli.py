@@ -122,7 +122,44 @@ def test_translate_options_out_of_range_are_usage_errors(tmp_path, capsys, flags
 def test_translate_passes_command_line_bytes_that_are_not_utf8_on_as_they_are():
     cli = load_translate_cli()
     sentence = os.fsdecode(b"caf\xe9 ok")  # how Python hands such an argument to sys.argv
-    assert cli.read_sentences(cli.parse_args(["--saved-model", "m", sentence])) == [b"caf\xe9 ok"]
+    args = cli.parse_args(["--saved-model", "m", sentence])
+    assert cli.read_sentences(args, cli.open_input(args)) == [b"caf\xe9 ok"]
+
+
+def test_translate_reads_input_lines_as_the_corpus_reader_does(tmp_path):
+    """CRLF line ends and a byte order mark are not text; a stray "\\r" inside a line does not split it."""
+    cli = load_translate_cli()
+    path = tmp_path / "input.en"
+    path.write_bytes(b"\xef\xbb\xbfA dog.\r\nTwo\rcats.\r\n\r\nbad \xff\n")
+    args = cli.parse_args(["--saved-model", "m", "--input", str(path)])
+
+    assert cli.read_sentences(args, cli.open_input(args)) == [b"A dog.", b"Two\rcats.", b"", b"bad \xff"]
+
+
+def test_translate_rejects_a_checkpoint_with_a_saved_model(tmp_path, capsys):
+    with pytest.raises(SystemExit) as raised:
+        load_translate_cli().main(["--saved-model", str(tmp_path), "--checkpoint", "latest", "A dog."])
+    assert raised.value.code == 2 and "--checkpoint goes with --run-dir" in capsys.readouterr().err
+
+
+def test_translate_with_a_saved_model_directory_that_holds_none(tmp_path, capsys):
+    cli = load_translate_cli()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    exit_code = cli.main(["--saved-model", str(empty), "A dog."])
+    _assert_translate_error(exit_code, capsys.readouterr().err, "holds neither a saved_model.pb nor numbered")
+
+    (tmp_path / "models" / "3").mkdir(parents=True)  # a version directory being copied, say
+    exit_code = cli.main(["--saved-model", str(tmp_path / "models"), "A dog."])
+    _assert_translate_error(exit_code, capsys.readouterr().err, "the highest version in")
+
+
+def test_translate_loads_the_model_before_it_reads_stdin(tmp_path, capsys, monkeypatch):
+    """Whoever types sentences should not learn of a wrong model path only after Ctrl-D."""
+    cli = load_translate_cli()
+    monkeypatch.setattr(cli, "read_sentences", lambda *args: pytest.fail("read stdin first"))
+    exit_code = cli.main(["--saved-model", str(tmp_path / "nowhere")])
+    _assert_translate_error(exit_code, capsys.readouterr().err, "holds neither a saved_model.pb")
 
 
 @pytest.mark.parametrize(

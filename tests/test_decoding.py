@@ -591,3 +591,18 @@ def test_learned_positions_cap_the_output_length():
     source[:, -1] = EOS_ID
     hypotheses = decode(model, source, eos_id=-1)  # an id never generated
     np.testing.assert_array_equal(hypotheses.lengths, [12, 12])
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_source_longer_than_learned_positions_is_an_error_not_a_silent_clamp(jit_compile):
+    """Under XLA the encoder's position lookup would read the last row for every later position."""
+    from keras_transformer import Transformer
+
+    model = Transformer.from_preset("tiny", vocab_size=30, learned_positions=True, max_length=8)
+    model.build()
+    source = np.full((1, 12), 5, "int32")
+    source[:, -1] = EOS_ID
+
+    with pytest.raises(ValueError, match="12 tokens long, but the model's learned positional encodings cover 8"):
+        decoding.beam_search(model, source, jit_compile=jit_compile)
+    assert decoding.beam_search(model, source[:, 4:], jit_compile=jit_compile).tokens.shape[0] == 1

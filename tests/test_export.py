@@ -8,8 +8,10 @@ response formats are exercised end to end.
 import contextlib
 import http.server
 import importlib.util
+import io
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -21,8 +23,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_text  # noqa: F401
 
-import export
-from export import client
+from export import client, saved_model
 from keras_transformer import run_dir
 from keras_transformer.translator import Translator
 
@@ -45,7 +46,7 @@ def exported(tiny_translation_run, sentences, tmp_path_factory):
     """`(version directory, log lines)` of the tiny run exported under models/transformer."""
     base = tmp_path_factory.mktemp("models") / MODEL_NAME
     lines = []
-    version_dir = export.export_run(
+    version_dir = saved_model.export_run(
         tiny_translation_run, base, check_sentences=sentences[:4], log=lines.append
     )
     return version_dir, lines
@@ -88,15 +89,15 @@ def test_export_writes_a_checked_version_in_tf_servings_layout(exported, tiny_tr
     ).read_bytes()
     checks = [line for line in lines if line.strip().startswith("ok:")]
     assert len(checks) == 5 and any("as the in-process translator" in line for line in checks)
-    assert export.next_version(version_dir.parent) == 2
-    with pytest.raises(export.ExportError, match="exists"):
-        export.export_run(tiny_translation_run, version_dir.parent, version=1)
+    assert saved_model.next_version(version_dir.parent) == 2
+    with pytest.raises(saved_model.ExportError, match="exists"):
+        saved_model.export_run(tiny_translation_run, version_dir.parent, version=1)
 
 
 def test_warmup_requests_are_prediction_logs_that_the_model_answers(exported, served):
     from tensorflow_serving.apis import prediction_log_pb2
 
-    records = list(tf.data.TFRecordDataset(str(exported[0] / "assets.extra" / export.WARMUP_FILE)))
+    records = list(tf.data.TFRecordDataset(str(exported[0] / "assets.extra" / saved_model.WARMUP_FILE)))
     assert len(records) == 2
     for record in records:
         log = prediction_log_pb2.PredictionLog.FromString(record.numpy())
@@ -112,9 +113,9 @@ def test_warmup_bytes_without_the_serving_api_are_the_same_protos():
         np.array([b"A dog.", b"Two cats."], dtype=object), dtype=tf.string
     )
     inputs = {"text": tensor}
-    assert export._prediction_log_bytes(
+    assert saved_model._prediction_log_bytes(
         MODEL_NAME, "serving_default", inputs
-    ) == export._prediction_log(MODEL_NAME, "serving_default", inputs)
+    ) == saved_model._prediction_log(MODEL_NAME, "serving_default", inputs)
 
 
 def parse_saved_model_cli(output):
@@ -258,6 +259,23 @@ def test_bad_inputs_never_fail_and_do_not_change_their_neighbours(served, senten
     assert list(mixed["translation"][1:3]) == [b"", b""] and list(mixed["score"][1:3]) == [0.0, 0.0]
 
 
+def test_line_ends_tabs_and_outer_spaces_do_not_change_a_translation(served, sentences):
+    """Text from a CRLF file, with a byte order mark or tabs, means what the clean line means."""
+    signature = served["serving_default"]
+    clean = translate(signature, sentences[:3])
+    variants = [
+        sentences[0] + "\r",
+        "\ufeff" + sentences[1] + "\t",
+        "\u00a0" + sentences[2].replace(" ", " \t ") + "\u3000",
+        "\u00a0\u3000\u200b",
+    ]
+
+    found = translate(signature, [text.encode("utf-8") for text in variants])
+
+    assert list(found["translation"]) == [*clean["translation"], b""]
+    np.testing.assert_allclose(found["score"], [*clean["score"], 0.0], rtol=1e-5)
+
+
 def test_source_buckets_cover_every_length_once():
     from keras_transformer.translator import pad_to_bucket, xla_buckets
 
@@ -276,7 +294,7 @@ def test_an_xla_export_translates_like_the_graph_translator(
     tiny_translation_run, translator, sentences, tmp_path
 ):
     """XLA and padded sources change the speed, not the translations (graph mode is the truth)."""
-    version_dir = export.export_run(
+    version_dir = saved_model.export_run(
         tiny_translation_run, tmp_path / MODEL_NAME, jit_compile=True, log=lambda line: None
     )
     served_xla = tf.saved_model.load(str(version_dir)).signatures["serving_default"]
@@ -326,7 +344,7 @@ def test_a_beam_over_the_limit_is_refused_and_other_options_out_of_range_are_uns
 def served_beam_2(tiny_translation_run, tmp_path_factory):
     """`(version directory, signatures)` of an export with beam 2 and alpha 1.0 for serving_default."""
     base = tmp_path_factory.mktemp("models") / MODEL_NAME
-    version_dir = export.export_run(tiny_translation_run, base, log=lambda line: None, beam_size=2, alpha=1.0)
+    version_dir = saved_model.export_run(tiny_translation_run, base, log=lambda line: None, beam_size=2, alpha=1.0)
     module = tf.saved_model.load(str(version_dir))
     return version_dir, module, module.signatures
 
@@ -444,6 +462,47 @@ def test_client_cli_prints_translations(rest_server, translator, sentences, caps
     )
     expected = translate(translator.translate, sentences[:2])["translation"]
     assert capsys.readouterr().out.splitlines() == [t.decode() for t in expected]
+
+
+def test_client_cli_sends_batches_of_clean_stdin_lines(rest_server, translator, sentences, capsys, monkeypatch):
+    """A CRLF file with a byte order mark and a byte that is not UTF-8, in requests of --batch-size lines."""
+    raw_lines = [sentence.encode() for sentence in sentences[:4]] + [b"bad \xff"]
+    stdin = io.BytesIO(b"\xef\xbb\xbf" + b"".join(line + b"\r\n" for line in raw_lines))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(stdin))
+    requests = []
+    real_translate_rest = client.translate_rest
+
+    def spy(server, model, batch, **kwargs):
+        requests.append(list(batch))
+        return real_translate_rest(server, model, batch, **kwargs)
+
+    monkeypatch.setattr(client, "translate_rest", spy)
+
+    assert client.main(["--rest", rest_server, "--model", MODEL_NAME, "--batch-size", "2"]) == 0
+
+    expected_texts = [*sentences[:4], "bad \ufffd"]
+    assert requests == [expected_texts[:2], expected_texts[2:4], expected_texts[4:]]
+    expected = translate(translator.translate, [text.encode() for text in expected_texts])["translation"]
+    assert capsys.readouterr().out.splitlines() == [t.decode() for t in expected]
+
+
+def test_the_rest_client_imports_no_tensorflow():
+    """It needs the standard library only, so it runs where tensorflow-text has no wheel."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, export.client; print(*sorted(sys.modules))"],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    ).stdout.split()
+    assert "export.client" in loaded
+    assert not [name for name in loaded if name.split(".")[0] in ("tensorflow", "keras", "numpy", "keras_transformer")]
+
+
+def test_rest_client_gives_up_on_a_server_that_never_answers():
+    with socket.socket() as silent:  # Accepts connections (the backlog), never answers.
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(client.ServingError, match=r"No answer from .* within 0.5 s"):
+            client.translate_rest(url, MODEL_NAME, ["A dog."], timeout=0.5)
 
 
 def test_client_cli_reports_a_beam_size_the_server_refuses(rest_server, sentences, capsys):

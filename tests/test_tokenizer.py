@@ -7,6 +7,7 @@ import pytest
 import sentencepiece
 import tensorflow as tf
 
+from keras_transformer.corpora import read_parallel_files
 from keras_transformer.tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -110,6 +111,32 @@ def test_empty_and_whitespace_strings_give_empty_rows(multi30k_tokenizer):
 
     assert ids.row_lengths().numpy()[:2].tolist() == [0, 0]
     assert ids.row_lengths().numpy()[3] > 0
+
+
+def test_every_unicode_whitespace_is_blank_and_line_breaks_are_spaces(multi30k_tokenizer):
+    spaces = [chr(code) for code in range(0x110000) if chr(code).isspace()]  # Python's whitespace
+    assert len(spaces) > 20
+
+    ids = multi30k_tokenizer.tokenize(["".join(spaces), *spaces, "\u200b\ufeff"])
+
+    assert ids.row_lengths().numpy().tolist() == [0] * (len(spaces) + 2)
+    line = "Two dogs run through the snow."
+    broken = [line.replace(" ", "\t"), line.replace(" ", "\r\n"), line.replace(" ", " \u2028 ")]
+    assert multi30k_tokenizer.tokenize(broken).to_list() == multi30k_tokenizer.tokenize([line] * 3).to_list()
+
+
+def test_lines_as_served_tokenize_as_the_corpus_reader_leaves_them(multi30k_dir, multi30k_tokenizer, tmp_path):
+    """A served sentence may come from a CRLF file with a byte order mark: training never saw those."""
+    lines = _lines(multi30k_dir / "val.en")[:50]
+    served = ["\ufeff" + lines[0] + "\r", *(f"\u00a0{line} \t\r" for line in lines[1:])]
+    path = tmp_path / "crlf.en"
+    path.write_bytes("\n".join(served).encode("utf-8") + b"\n")
+    read = [source for source, _ in read_parallel_files(path, path)]
+    assert read == lines
+
+    ids = multi30k_tokenizer.tokenize(served)
+
+    assert ids.to_list() == multi30k_tokenizer.tokenize(read).to_list()
 
 
 def test_invalid_utf8_is_replaced_not_fatal(multi30k_tokenizer):
