@@ -20,7 +20,9 @@ Philox generator. Two things make that mask expensive, and `Dropout` avoids both
   CPU kernels implement only Philox). XLA runs Threefry on GPUs as well.
 
 Only the random stream differs from Keras's layer: `Dropout` is a `keras.layers.Dropout`
-with the same arguments, seed generator and checkpoint layout.
+with the same arguments, seed generator and checkpoint layout. Under a distribution
+strategy, each replica folds its id into the seed (Keras's layer draws the same mask on
+every replica).
 """
 
 import keras
@@ -68,6 +70,7 @@ class Dropout(keras.layers.Dropout):
         # state, folded into int32 (XLA's stateless ops take int32 seeds).
         seed = self.seed_generator.next()
         seed = tf.cast(tf.math.floormod(tf.cast(seed, tf.int64), tf.int32.max - 1), tf.int32)
+        seed = _per_replica(seed)
         shape = tf.shape(inputs)
         if self.noise_shape is not None:
             shape = tf.stack([shape[i] if d is None else d for i, d in enumerate(self.noise_shape)])
@@ -80,6 +83,20 @@ class Dropout(keras.layers.Dropout):
 
 
 _HALF_WORD_VALUES = 2**16
+
+
+def _per_replica(seed):
+    """`seed` made distinct for each replica of a distributed step (unchanged on one replica).
+
+    Every replica holds the same seed generator state, so without this all replicas, on
+    every worker, would draw the same mask: with N replicas, dropout over the global
+    batch would be N copies of one pattern. The id is global across workers under
+    `MultiWorkerMirroredStrategy`.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return seed
+    return tf.random.experimental.stateless_fold_in(seed, context.replica_id_in_sync_group)
 
 
 def _uniform_half_words(shape, seed):

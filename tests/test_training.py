@@ -66,6 +66,21 @@ def test_two_replicas_reach_the_weights_of_one(tmp_path):
     _assert_same_weights(_weights(weights, "two"), _weights(weights, "one"), _weights(weights, "initial"))
 
 
+@pytest.mark.slow
+def test_each_replica_draws_its_own_dropout_mask(tmp_path):
+    """Replicas share the seed generator's state: without the replica id in the seed, all draw one mask."""
+    output = tmp_path / "masks.npz"
+    result = _run([sys.executable, str(WORKER), "dropout", str(output), "-"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    masks = np.load(output)
+
+    for step in ("step0", "step1"):
+        first, second = masks[f"{step}/replica0"], masks[f"{step}/replica1"]
+        assert 0.45 < first.mean() < 0.55 and 0.45 < second.mean() < 0.55  # rate 0.5 on 1,024 elements
+        assert 0.4 < (first == second).mean() < 0.6  # independent masks agree on half the elements
+    assert 0.4 < (masks["step0/replica0"] == masks["step1/replica0"]).mean() < 0.6
+
+
 def _free_ports(count):
     sockets = [socket.socket() for _ in range(count)]
     for sock in sockets:

@@ -7,6 +7,8 @@ own process.
     python tests/training_worker.py replicas OUT.npz RUN_DIR
         Trains the same steps on 1 replica and on 2 replicas (two logical CPUs, each
         replica half of every global batch) and saves both final weights.
+    python tests/training_worker.py dropout OUT.npz -
+        The dropout masks each of two replicas draws for the same input, on two steps.
     TF_CONFIG=... python tests/training_worker.py worker OUT.npz RUN_DIR
         One worker of a MultiWorkerMirroredStrategy run (each worker feeds half of every
         global batch); saves its final weights.
@@ -89,6 +91,26 @@ def train(strategy, run_dir):
     return initial, _weights(trainer.model)
 
 
+def dropout_masks(strategy, steps=2):
+    """`{f"step{s}/replica{r}": kept}`: which elements of a ones input each replica's `Dropout(0.5)` keeps."""
+    import tensorflow as tf
+
+    from keras_transformer.dropout import Dropout
+
+    with strategy.scope():
+        layer = Dropout(0.5, seed=3)
+
+    @tf.function
+    def step():
+        return strategy.run(lambda: layer(tf.ones([16, 64]), training=True))
+
+    return {
+        f"step{index}/replica{replica}": (mask.numpy() != 0)
+        for index in range(steps)
+        for replica, mask in enumerate(strategy.experimental_local_results(step()))
+    }
+
+
 def _weights(model):
     """Trainable weights by position and name (names differ between models of a process)."""
     variables = enumerate(model.trainable_variables)
@@ -101,6 +123,10 @@ def main(mode, output, run_dir):
         initial, one = train(distribution.make_strategy(["CPU:0"]), os.path.join(run_dir, "one"))
         _, two = train(distribution.make_strategy(["CPU:0", "CPU:1"]), os.path.join(run_dir, "two"))
         runs = {"initial": initial, "one": one, "two": two}
+    elif mode == "dropout":
+        distribution.split_cpu(2)
+        np.savez(output, **dropout_masks(distribution.make_strategy(["CPU:0", "CPU:1"])))
+        return
     elif mode == "worker":
         initial, final = train(distribution.make_strategy(), run_dir)
         runs = {"initial": initial, "final": final}
