@@ -271,6 +271,8 @@ def resolve_settings(args):
     dataset = args.dataset or "multi30k"
     preset = args.preset or "small"
     run = Path(args.run_dir or Path("runs") / f"{dataset}-{preset}")
+    if run.exists() and not run.is_dir():
+        raise SettingsError(f"--run-dir {run} is a file, not a directory.")
     saved_config = run_dir_lib.read_config(run) if (run / run_dir_lib.CONFIG_FILE).is_file() else None
     if saved_config is None:
         _check_no_orphan_state(run)
@@ -558,6 +560,13 @@ def average_only(run, settings):
         raise SettingsError("--average-only needs --average-last N with N >= 1.")
     path, averaged = run_dir_lib.average_checkpoints(run, settings["average_last"])
     logger.info("Averaged %d checkpoints (%s) into %s", len(averaged), ", ".join(Path(p).name for p in averaged), path)
+    if (run / run_dir_lib.CONFIG_FILE).is_file():
+        # Saved as any command saves its new values: a run last given --average-last 0 (the
+        # `small` preset's default) would otherwise keep translating with its latest checkpoint.
+        config = run_dir_lib.read_config(run)
+        config.setdefault("train", {})["average_last"] = settings["average_last"]
+        run_dir_lib.write_config(run, config)
+    logger.info("translate.py and export now use the average (--checkpoint latest: the last checkpoint).")
     return 0
 
 
@@ -638,6 +647,11 @@ def configure_process():
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     for name in ("train", "keras_transformer"):
         logging.getLogger(name).setLevel(logging.INFO)
+    handle_sigterm()
+
+
+def handle_sigterm():
+    """`kill` (SIGTERM) stops training as Ctrl-C does: with a checkpoint."""
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
 
 
@@ -659,6 +673,9 @@ def train(args):
         strategy = distribution.make_strategy(devices)
     except ValueError as error:
         raise SettingsError(f"--devices {args.devices}: {error}" if devices else str(error)) from None
+    # A multi-worker strategy starts TensorFlow's coordination service, whose own SIGTERM
+    # handler replaces ours: without this, `kill` neither checkpoints nor stops a worker.
+    handle_sigterm()
     if settings["epochs"] is None:  # Else the length of the run, which the check needs, is not known yet.
         settings["replicas"] = check_replicas(run, settings, strategy.num_replicas_in_sync)
 

@@ -280,9 +280,11 @@ def read_scalars(event_dir):
     """`{tag: [(step, wall_time, value), ...]}` of the scalar summaries under `event_dir`, by step.
 
     Other summaries (the attention images) are skipped; a record cut off by a crash ends
-    the reading of its file, and the records before it count.
+    the reading of its file, and the records before it count. A step logged twice (a run
+    that crashed after its last checkpoint logs those steps again when it resumes) keeps
+    its newest point.
     """
-    scalars = {}
+    newest = {}  # {tag: {step: point}}
     for path in sorted(Path(event_dir).glob("events.out.tfevents.*")):
         try:
             for record in tf.data.TFRecordDataset(str(path)):
@@ -290,10 +292,12 @@ def read_scalars(event_dir):
                 for value in event.summary.value:
                     if value.metadata.plugin_data.plugin_name == "scalars":
                         point = (int(event.step), float(event.wall_time), float(tf.make_ndarray(value.tensor)))
-                        scalars.setdefault(value.tag, []).append(point)
+                        points = newest.setdefault(value.tag, {})
+                        if point[0] not in points or point[1] >= points[point[0]][1]:
+                            points[point[0]] = point
         except tf.errors.DataLossError:
             pass
-    return {tag: sorted(points) for tag, points in scalars.items()}
+    return {tag: sorted(points.values()) for tag, points in newest.items()}
 
 
 def validated_steps(run_dir):

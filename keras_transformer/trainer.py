@@ -325,13 +325,17 @@ class Trainer:
                     self._validate(step, writers["validation"])
                 if self._out_of_time(started):
                     stopped_early = step < config.train_steps
+                    self._log_rest(step, interval, started, writers["train"])
                     logger.info("Time budget of %g minutes reached at step %d.", config.max_minutes, step)
                     break
         except KeyboardInterrupt:
-            if interval.sums["tokens"]:  # The steps since the last progress line, not to lose them.
-                self._log_progress(step, interval, None, started, writers["train"])
+            # Python raises it once the step's TensorFlow call returns, often before `step += 1`
+            # ran: that step's metrics are lost, but the model and `self.step` have taken it.
+            step = int(self.step.numpy())
+            self._log_rest(step, interval, started, writers["train"])
             path = self.save()
-            logger.info("Interrupted at step %d; saved %s. Run the same command to resume.", self.step.numpy(), path)
+            logger.info("Interrupted at step %d; saved %s. Run the same command to resume.", step, path)
+            self._cleanup_worker_checkpoints()
             raise
         finally:
             for writer in writers.values():
@@ -451,6 +455,11 @@ class Trainer:
                 tf.summary.scalar("grad_norm", grad_norm)
             if tokens_per_second is not None:  # A 0 would be a false dip in the curve.
                 tf.summary.scalar("tokens_per_second", tokens_per_second)
+
+    def _log_rest(self, step, interval, started, writer):
+        """A progress line for the steps since the last one, when the run stops between lines."""
+        if interval.sums["tokens"]:
+            self._log_progress(step, interval, None, started, writer)
 
     def _speed(self, interval, step, elapsed):
         """`(target tokens per second, seconds left)` of the interval; None for what it cannot tell.

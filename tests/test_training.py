@@ -426,6 +426,49 @@ def test_help_gives_the_presets_defaults_and_the_papers_values():
     assert "[the preset's: tiny 1, small 2, medium 1.5, base 1, big 1] The paper: 1." in help_text
 
 
+@pytest.mark.slow
+def test_kill_checkpoints_and_stops_every_worker_of_a_multi_worker_run(tmp_path, multi30k_dir):
+    """The coordination service of MultiWorkerMirroredStrategy installs its own SIGTERM handler."""
+    import selectors
+    import signal
+    import time
+
+    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    run = tmp_path / "run"
+    flags = ["--run-dir", str(run), "--preset", "tiny", "--vocab-size", "1000", "--data-dir", str(multi30k_dir),
+             "--train-steps", "100000", "--max-minutes", "0", "--log-every", "1", "--checkpoint-every", "100000",
+             "--eval-every", "0", "--bleu-sentences", "0"]
+    processes = []
+    for index in range(2):
+        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        processes.append(subprocess.Popen(
+            [sys.executable, "train.py", *flags], cwd=ROOT, env={**os.environ, "TF_CONFIG": json.dumps(tf_config)},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ))
+    chief_lines = []
+    try:
+        selector = selectors.DefaultSelector()
+        selector.register(processes[0].stderr, selectors.EVENT_READ)
+        deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+        while not any(line.startswith("step 3/") for line in chief_lines) and time.monotonic() < deadline:
+            if selector.select(timeout=5) and (line := processes[0].stderr.readline()):
+                chief_lines.append(line)
+            assert processes[0].poll() is None, "".join(chief_lines)[-3000:]
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        codes = [process.wait(timeout=120) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    output = "".join(chief_lines) + processes[0].stderr.read()
+
+    assert codes == [130, 130], output[-3000:]
+    stopped = re.search(r"Interrupted at step (\d+); saved (\S+)\.", output)
+    assert stopped, output[-3000:]
+    assert int(stopped.group(1)) >= 3 and stopped.group(2).endswith(f"ckpt-{stopped.group(1)}")
+    assert run_dir.checkpoint_step(tf.train.latest_checkpoint(str(run / "checkpoints"))) == int(stopped.group(1))
+
+
 def _interrupting_train(*flags):
     """`python -c` code: train.py with `flags`, interrupted (Ctrl-C) as its Trainer is created."""
     return [
@@ -529,6 +572,22 @@ def test_average_only_needs_no_data_directory(tmp_path):
     run_dir.write_config(tmp_path, config)
     assert _import_train_script().main(["--run-dir", str(tmp_path), "--average-only", "--average-last", "2"]) == 0
     assert Path(run_dir.checkpoint_path(tmp_path, "averaged")).name == "ckpt-20"
+
+
+def test_a_run_averaged_on_request_translates_with_the_average(tmp_path):
+    """A `small` run saves --average-last 0; --average-only then makes the average its model, as asked."""
+    for step in (10, 20):
+        _run_with_checkpoint(tmp_path, step=step)
+    config = run_dir.read_config(tmp_path)
+    config["data"] = {"corpus": "files", "source_lang": "en", "target_lang": "de", "vocab_size": 50}
+    config["train"] = {"preset": "tiny", "average_last": 0}
+    run_dir.write_config(tmp_path, config)
+    assert Path(run_dir.checkpoint_path(tmp_path, "best")).parent.name == run_dir.CHECKPOINT_DIR
+
+    assert _import_train_script().main(["--run-dir", str(tmp_path), "--average-only", "--average-last", "2"]) == 0
+
+    assert run_dir.checkpoint_path(tmp_path, "best") == run_dir.checkpoint_path(tmp_path, "averaged")
+    assert run_dir.read_config(tmp_path)["model"] == config["model"]
 
 
 def test_a_damaged_latest_checkpoint_stops_the_resume_and_the_one_before_can_take_over(tmp_path):
@@ -754,6 +813,20 @@ def test_validated_steps_reads_what_a_crash_left_before_a_cut_off_record(tmp_pat
     assert run_dir.validated_steps(tmp_path / "elsewhere") == set()
 
 
+def test_steps_logged_again_after_a_crash_keep_their_newest_point(tmp_path):
+    """Killed after step 16 with its last checkpoint at 10, a run logs steps 12-16 again when it resumes."""
+    for steps, value in (((10, 12, 14, 16), 1.0), ((12, 14, 16, 18), 2.0)):  # the run, then the resumed run
+        writer = tf.summary.create_file_writer(str(tmp_path))
+        with writer.as_default():
+            for step in steps:
+                tf.summary.scalar("loss", value, step=step)
+        writer.close()
+
+    points = run_dir.read_scalars(tmp_path)["loss"]
+
+    assert [(step, value) for step, _, value in points] == [(10, 1.0), (12, 2.0), (14, 2.0), (16, 2.0), (18, 2.0)]
+
+
 def test_an_interruption_logs_the_steps_since_the_last_progress_line(tmp_path, caplog, monkeypatch):
     """Interrupted after step 3 of an interval of 10, the run logs steps 1-3 before it saves and stops."""
     trainer = Trainer(
@@ -779,6 +852,52 @@ def test_an_interruption_logs_the_steps_since_the_last_progress_line(tmp_path, c
     assert any(message.startswith("Interrupted at step 3; saved ") for message in messages), messages
 
 
+def _interval_trainer(run):
+    return Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+        run,
+        TrainingConfig(train_steps=10, warmup_steps=20, log_every=10, max_minutes=60),
+    )
+
+
+def test_a_time_budget_stop_logs_the_steps_since_the_last_progress_line(tmp_path, caplog, monkeypatch):
+    trainer = _interval_trainer(tmp_path / "run")
+    checks = iter(range(1, 11))
+    monkeypatch.setattr(trainer, "_out_of_time", lambda started: next(checks) == 3)
+    with caplog.at_level("INFO", logger="keras_transformer.trainer"):
+        result = trainer.fit(_synthetic_pairs_dataset)
+    progress = [record.getMessage() for record in caplog.records if record.getMessage().startswith("step ")]
+    assert result.step == 3 and len(progress) == 1 and progress[0].startswith("step 3/10 | loss "), progress
+    assert [step for step, _, _ in run_dir.read_scalars(tmp_path / "run" / run_dir.LOG_DIR / "train")["loss"]] == [3]
+
+
+def test_an_interruption_as_a_step_returns_is_labelled_with_the_saved_step(tmp_path, caplog, monkeypatch):
+    """Python raises KeyboardInterrupt once the step's TensorFlow call returns, before the loop counts the step."""
+    trainer = _interval_trainer(tmp_path / "run")
+    calls = iter(range(1, 11))
+
+    def step_then_interrupt(with_grad_norm):
+        step_fn = Trainer._train_step(trainer, with_grad_norm)
+
+        def run(iterator):
+            outputs = step_fn(iterator)
+            if next(calls) == 3:
+                raise KeyboardInterrupt
+            return outputs
+
+        return run
+
+    monkeypatch.setattr(trainer, "_train_step", step_then_interrupt)
+    with caplog.at_level("INFO", logger="keras_transformer.trainer"), pytest.raises(KeyboardInterrupt):
+        trainer.fit(_synthetic_pairs_dataset)
+    messages = [record.getMessage() for record in caplog.records]
+    progress = [message for message in messages if message.startswith("step ")]
+    assert len(progress) == 1 and progress[0].startswith("step 3/10 | loss "), progress  # steps 1-2's metrics
+    assert any(message.startswith("Interrupted at step 3; saved ") and message.endswith(
+        "ckpt-3. Run the same command to resume.") for message in messages), messages
+
+
 @pytest.mark.slow
 def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir):
     """A run stopped by --max-minutes ends with its step and how to continue it."""
@@ -801,6 +920,14 @@ def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir):
         r"The time budget \(--max-minutes 0.0001\) stopped the run at step 1 of 200; run the same command again "
         r"to continue training from there\.", last
     ), last
+
+
+def test_a_run_dir_that_is_a_file_is_one_line_before_any_work(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("mine")
+    result = _run([sys.executable, "train.py", "--run-dir", str(path), "--preset", "tiny"])
+    _assert_one_line_error(result.returncode, result.stderr, f"--run-dir {path} is a file, not a directory.")
+    assert path.read_text() == "mine"
 
 
 @pytest.mark.slow
