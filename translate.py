@@ -12,10 +12,10 @@ score" for every hypothesis). Sources longer than the translator's maximum input
 empty lines.
 
 With `--run-dir`, the run's best checkpoint (the averaged one, unless training went on
-past it or the run was last given `--average-last 0`) is loaded into an in-process `Translator`, with the beam size and length
-penalty the run was evaluated with unless given; with `--saved-model`, a version
-directory or a model base directory (its highest version is used) is loaded with
-`tf.saved_model.load`.
+past it or the run was last given `--average-last 0`) is loaded into an in-process
+`Translator`, with the beam size and length penalty the run was evaluated with unless
+given; with `--saved-model`, a version directory or a model base directory (its highest
+version is used) is loaded with `tf.saved_model.load`.
 """
 
 import argparse
