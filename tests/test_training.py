@@ -827,29 +827,10 @@ def test_steps_logged_again_after_a_crash_keep_their_newest_point(tmp_path):
     assert [(step, value) for step, _, value in points] == [(10, 1.0), (12, 2.0), (14, 2.0), (16, 2.0), (18, 2.0)]
 
 
-def test_an_interruption_logs_the_steps_since_the_last_progress_line(tmp_path, caplog, monkeypatch):
-    """Interrupted after step 3 of an interval of 10, the run logs steps 1-3 before it saves and stops."""
-    trainer = Trainer(
-        distribution.make_strategy(["CPU:0"]),
-        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
-        tmp_path / "run",
-        TrainingConfig(train_steps=10, warmup_steps=20, log_every=10),
-    )
-    checks = iter(range(1, 11))
-
-    def out_of_time(started):
-        if next(checks) == 3:
-            raise KeyboardInterrupt
-        return False
-
-    monkeypatch.setattr(trainer, "_out_of_time", out_of_time)
-    with caplog.at_level("INFO", logger="keras_transformer.trainer"), pytest.raises(KeyboardInterrupt):
-        trainer.fit(_synthetic_pairs_dataset)
+def _logged(caplog):
+    """The trainer's log messages, and its progress lines among them."""
     messages = [record.getMessage() for record in caplog.records]
-    progress = [message for message in messages if message.startswith("step ")]
-    assert len(progress) == 1 and progress[0].startswith("step 3/10 | loss "), progress
-    assert "| grad norm - |" in progress[0]
-    assert any(message.startswith("Interrupted at step 3; saved ") for message in messages), messages
+    return messages, [message for message in messages if message.startswith("step ")]
 
 
 def _interval_trainer(run):
@@ -861,13 +842,32 @@ def _interval_trainer(run):
     )
 
 
+def test_an_interruption_logs_the_steps_since_the_last_progress_line(tmp_path, caplog, monkeypatch):
+    """Interrupted after step 3 of an interval of 10, the run logs steps 1-3 before it saves and stops."""
+    trainer = _interval_trainer(tmp_path / "run")
+    checks = iter(range(1, 11))
+
+    def out_of_time(started):
+        if next(checks) == 3:
+            raise KeyboardInterrupt
+        return False
+
+    monkeypatch.setattr(trainer, "_out_of_time", out_of_time)
+    with caplog.at_level("INFO", logger="keras_transformer.trainer"), pytest.raises(KeyboardInterrupt):
+        trainer.fit(_synthetic_pairs_dataset)
+    messages, progress = _logged(caplog)
+    assert len(progress) == 1 and progress[0].startswith("step 3/10 | loss "), progress
+    assert "| grad norm - |" in progress[0]
+    assert any(message.startswith("Interrupted at step 3; saved ") for message in messages), messages
+
+
 def test_a_time_budget_stop_logs_the_steps_since_the_last_progress_line(tmp_path, caplog, monkeypatch):
     trainer = _interval_trainer(tmp_path / "run")
     checks = iter(range(1, 11))
     monkeypatch.setattr(trainer, "_out_of_time", lambda started: next(checks) == 3)
     with caplog.at_level("INFO", logger="keras_transformer.trainer"):
         result = trainer.fit(_synthetic_pairs_dataset)
-    progress = [record.getMessage() for record in caplog.records if record.getMessage().startswith("step ")]
+    _, progress = _logged(caplog)
     assert result.step == 3 and len(progress) == 1 and progress[0].startswith("step 3/10 | loss "), progress
     assert [step for step, _, _ in run_dir.read_scalars(tmp_path / "run" / run_dir.LOG_DIR / "train")["loss"]] == [3]
 
@@ -891,8 +891,7 @@ def test_an_interruption_as_a_step_returns_is_labelled_with_the_saved_step(tmp_p
     monkeypatch.setattr(trainer, "_train_step", step_then_interrupt)
     with caplog.at_level("INFO", logger="keras_transformer.trainer"), pytest.raises(KeyboardInterrupt):
         trainer.fit(_synthetic_pairs_dataset)
-    messages = [record.getMessage() for record in caplog.records]
-    progress = [message for message in messages if message.startswith("step ")]
+    messages, progress = _logged(caplog)
     assert len(progress) == 1 and progress[0].startswith("step 3/10 | loss "), progress  # steps 1-2's metrics
     assert any(message.startswith("Interrupted at step 3; saved ") and message.endswith(
         "ckpt-3. Run the same command to resume.") for message in messages), messages
