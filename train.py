@@ -668,7 +668,9 @@ def train(args):
 
     from keras_transformer import distribution
 
-    devices = [name for name in args.devices.split(",") if name] if args.devices else None
+    devices = None if args.devices is None else [name.strip() for name in args.devices.split(",") if name.strip()]
+    if devices == []:
+        raise SettingsError(f"--devices {args.devices!r} names no device; leave it out for the default.")
     try:
         strategy = distribution.make_strategy(devices)
     except ValueError as error:
@@ -745,8 +747,10 @@ def train(args):
     except EmptyDatasetError:
         raise SettingsError(_no_training_pairs(run, settings)) from None
     if result.step > result.start_step:
-        logger.info("Trained steps %d-%d in %s; %s target tokens/s.", result.start_step + 1, result.step,
-                    format_duration(result.seconds), f"{result.tokens_per_second:,.0f}")
+        # Steps that traced (or compiled) their function are not timed: a run of those alone has no speed.
+        speed = f"; {result.tokens_per_second:,.0f} target tokens/s" if result.tokens_per_second else ""
+        logger.info("Trained steps %d-%d in %s%s.", result.start_step + 1, result.step,
+                    format_duration(result.seconds), speed)
     if is_chief:
         final_evaluation(run, corpus, settings)
     if result.stopped_early:

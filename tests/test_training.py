@@ -655,6 +655,14 @@ def test_devices_that_do_not_exist_are_refused():
             distribution.make_strategy(["GPU:0"])
 
 
+@pytest.mark.parametrize("devices", ["", ",", " , "])
+def test_devices_that_name_no_device_are_one_line(tmp_path, capsys, devices):
+    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny",
+                                             "--devices", devices])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, f"--devices {devices!r} names no device")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_a_missing_gpu_is_one_line_in_a_real_process(tmp_path):
     if tf.config.list_physical_devices("GPU"):
@@ -914,6 +922,8 @@ def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir):
         "--max-length", "64", "--max-minutes", "0.0001", "--bleu-sentences", "0", "--beam-size", "1",
     ])
     assert result.returncode == 0, result.stderr[-3000:]
+    # Its one step traced the step function, so it was not timed: no speed rather than 0 tokens/s.
+    assert re.search(r"^Trained steps 1-1 in \S+\.$", result.stderr, re.MULTILINE), result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert re.fullmatch(
         r"The time budget \(--max-minutes 0.0001\) stopped the run at step 1 of 200; run the same command again "
