@@ -728,6 +728,10 @@ def train(args):
             token_budget=settings["token_budget"], max_length=settings["max_length"], target_lang=corpus.target_lang,
         )
     trainer = Trainer(strategy, model_fn, run, config, validate_fn=validator)
+    if distribution.num_workers(strategy) > 1:
+        # All workers must stop after the same step: a kill asks the trainer, which agrees
+        # on it with the others (see Trainer.request_stop).
+        signal.signal(signal.SIGTERM, lambda signum, frame: trainer.request_stop())
     if is_chief:
         run_dir_lib.write_config(run, run_config(settings, run_dir_lib.model_config(trainer.model)))
         logger.info("Run directory: %s (TensorBoard: tensorboard --logdir %s)", run, run / run_dir_lib.LOG_DIR)
@@ -746,6 +750,7 @@ def train(args):
         result = trainer.fit(dataset_fn)
     except EmptyDatasetError:
         raise SettingsError(_no_training_pairs(run, settings)) from None
+    handle_sigterm()  # Training is over: a kill stops the evaluation at once.
     if result.step > result.start_step:
         # Steps that traced (or compiled) their function are not timed: a run of those alone has no speed.
         speed = f"; {result.tokens_per_second:,.0f} target tokens/s" if result.tokens_per_second else ""

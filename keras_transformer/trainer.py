@@ -226,6 +226,17 @@ class Trainer:
         self._gradients = self._make_gradients_fn()
         self._train_steps = {}
         self._saved_step = None
+        self._stop_requested = False
+
+    def request_stop(self):
+        """Asks `fit` to checkpoint and stop after the current step, on every worker alike.
+
+        For a SIGTERM handler of a multi-worker run: a worker that stopped on its own
+        would leave the others waiting in the next all-reduce, which then fails. `fit`
+        agrees on the request with the other workers after each step, and all of them
+        stop after the same step, as on KeyboardInterrupt (which `fit` re-raises).
+        """
+        self._stop_requested = True
 
     def restore(self):
         """Restores the latest checkpoint of `RUN/checkpoints`, if any.
@@ -317,12 +328,15 @@ class Trainer:
                     train_seconds += step_seconds
                     train_tokens += metrics["tokens"]
                 if with_grad_norm:
-                    self._log_progress(step, interval, metrics["grad_norm"], started, writers["train"])
-                    interval = _Interval()
+                    # A new interval first: interrupted while logging, the run must not log these steps again.
+                    logged, interval = interval, _Interval()
+                    self._log_progress(step, logged, metrics["grad_norm"], started, writers["train"])
                 if step % config.checkpoint_every == 0:
                     self.save()
                 if self._validation_due(step):
                     self._validate(step, writers["validation"])
+                if self._stop_agreed():
+                    raise KeyboardInterrupt
                 if self._out_of_time(started):
                     stopped_early = step < config.train_steps
                     self._log_rest(step, interval, started, writers["train"])
@@ -510,6 +524,12 @@ class Trainer:
             "train": tf.summary.create_file_writer(str(logs / "train")),
             "validation": tf.summary.create_file_writer(str(logs / "validation")),
         }
+
+    def _stop_agreed(self):
+        """Whether any worker was asked to stop (`request_stop`), agreed by all workers."""
+        if distribution.num_workers(self.strategy) == 1:
+            return self._stop_requested
+        return distribution.any_worker(self.strategy, self._stop_requested)
 
     def _out_of_time(self, started):
         """Whether the time budget is spent, agreed by all workers."""

@@ -427,8 +427,12 @@ def test_help_gives_the_presets_defaults_and_the_papers_values():
 
 
 @pytest.mark.slow
-def test_kill_checkpoints_and_stops_every_worker_of_a_multi_worker_run(tmp_path, multi30k_dir):
-    """The coordination service of MultiWorkerMirroredStrategy installs its own SIGTERM handler."""
+@pytest.mark.parametrize("killed", [0, 1], ids=["chief", "other"])
+def test_killing_one_worker_checkpoints_and_stops_all_of_them_at_one_step(tmp_path, multi30k_dir, killed):
+    """A worker stopping alone leaves the others failing in the next all-reduce: they must agree on the step.
+
+    Also: the coordination service of MultiWorkerMirroredStrategy installs its own SIGTERM handler.
+    """
     import selectors
     import signal
     import time
@@ -454,19 +458,21 @@ def test_kill_checkpoints_and_stops_every_worker_of_a_multi_worker_run(tmp_path,
             if selector.select(timeout=5) and (line := processes[0].stderr.readline()):
                 chief_lines.append(line)
             assert processes[0].poll() is None, "".join(chief_lines)[-3000:]
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
+        processes[killed].send_signal(signal.SIGTERM)
         codes = [process.wait(timeout=120) for process in processes]
     finally:
         for process in processes:
             process.kill()
-    output = "".join(chief_lines) + processes[0].stderr.read()
+    outputs = ["".join(chief_lines) + processes[0].stderr.read(), processes[1].stderr.read()]
 
-    assert codes == [130, 130], output[-3000:]
-    stopped = re.search(r"Interrupted at step (\d+); saved (\S+)\.", output)
-    assert stopped, output[-3000:]
-    assert int(stopped.group(1)) >= 3 and stopped.group(2).endswith(f"ckpt-{stopped.group(1)}")
-    assert run_dir.checkpoint_step(tf.train.latest_checkpoint(str(run / "checkpoints"))) == int(stopped.group(1))
+    assert codes == [130, 130], (codes, *(output[-3000:] for output in outputs))
+    stops = [re.search(r"Interrupted at step (\d+); saved (\S+)\.", output) for output in outputs]
+    assert all(stops), outputs[killed][-3000:]
+    step = stops[0].group(1)
+    assert int(step) >= 3 and stops[1].group(1) == step  # the same step on both
+    assert stops[0].group(2).endswith(f"ckpt-{step}")
+    assert run_dir.checkpoint_step(tf.train.latest_checkpoint(str(run / "checkpoints"))) == int(step)
+    assert not Path(stops[1].group(2)).parent.exists()  # the other worker's temporary checkpoints are gone
 
 
 def _interrupting_train(*flags):
