@@ -86,6 +86,26 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def use_train_py_cpu_kernels() -> None:
+    """TensorFlow's oneDNN CPU kernels on x86, as `train.py` asks for them (see there).
+
+    Call before TensorFlow is imported, so that a training benchmark times the kernels
+    training uses; `TF_ENABLE_ONEDNN_OPTS` set in the environment wins.
+    """
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+
+def onednn_enabled():
+    """Whether TensorFlow runs its oneDNN CPU kernels (None if this TensorFlow cannot tell)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return None
+
+
 def machine_info(with_keras: bool = True) -> dict:
     """CPU, cores, memory, accelerators and library versions.
 
@@ -105,6 +125,8 @@ def machine_info(with_keras: bool = True) -> dict:
         "cpu_cores": os.cpu_count(),
         "cpu_avx512_bf16": "avx512_bf16" in flags,
         "cpu_amx_bf16": "amx_bf16" in flags,
+        "cpu_avx512f": "avx512f" in flags,
+        "onednn": onednn_enabled(),
         "memory_gib": None if mem_gib is None else round(mem_gib, 1),
         "gpus": [gpu["name"] for gpu in gpus],
         "gpu_compute_capabilities": [gpu["compute_capability"] for gpu in gpus],
@@ -232,34 +254,54 @@ def percentile(values: list[float], q: float) -> float:
     return data[lo] + (data[hi] - data[lo]) * (k - lo)
 
 
-def peak_matmul_flops(dtype: str = "float32", n: int = 4096, repeats: int = 5, min_repeat_s: float = 0.2) -> dict:
-    """Measured peak matmul FLOP/s: best of `repeats` `[n, n] @ [n, n]` under `tf.function`.
+PEAK_SIZES = (1024, 2048, 3072, 4096)
+
+
+def peak_matmul_flops(
+    dtype: str = "float32", sizes=PEAK_SIZES, repeats: int = 5, min_repeat_s: float = 0.2
+) -> dict:
+    """Measured peak matmul FLOP/s: the best `[n, n] @ [n, n]` over `sizes`, with and without XLA.
 
     The denominator of the model FLOPs utilisation; measured in the same run as the
     model, so both see the same clocks and the same neighbours on a shared machine.
-    Each repeat makes as many calls as fill `min_repeat_s` (one on a CPU, hundreds on a
-    GPU). On an Ampere or newer GPU, "float32" matmuls use TF32 unless it is disabled
-    (`machine_info` records the setting).
+    Why several sizes and both kernels: one shape can miss the machine's limit by far.
+    On a 2-core AMD EPYC with AVX2 (2026-11-25), oneDNN (TensorFlow's CPU matmul outside
+    XLA) ran 4096² at 88 GFLOP/s and 3072² at 154, while XLA's dot ran both at ~150, and
+    an XLA training step then reached "122%" of the 4096² figure.
+    Each shape is timed `repeats` times, each repeat making as many calls as fill
+    `min_repeat_s` (one on a CPU, hundreds on a GPU). On an Ampere or newer GPU,
+    "float32" matmuls use TF32 unless it is disabled (`machine_info` records the setting).
 
     Returns:
-        `{"dtype", "n", "calls_per_repeat", "best_flops", "median_flops", "repeats_flops"}`.
+        `{"dtype", "best_flops", "best_shape": {"n", "xla"}, "shapes": [...]}`, one entry
+        of `shapes` per size and kernel: `{"n", "xla", "calls_per_repeat", "best_flops",
+        "median_flops", "repeats_flops"}`.
     """
     import tensorflow as tf
 
-    a = tf.cast(tf.random.normal((n, n), seed=1), dtype)
-    b = tf.cast(tf.random.normal((n, n), seed=2), dtype)
-    matmul = tf.function(lambda x, y: tf.linalg.matmul(x, y))
-    sync(matmul(a, b))  # trace + warm-up
-    calls = calls_to_fill(lambda: matmul(a, b), min_repeat_s)
-    flops = 2.0 * n**3
-    rates = [flops / t for t in time_calls(lambda: matmul(a, b), repeats, calls)]
+    shapes = []
+    for n in sizes:
+        a = tf.cast(tf.random.normal((n, n), seed=1), dtype)
+        b = tf.cast(tf.random.normal((n, n), seed=2), dtype)
+        for xla in (False, True):
+            matmul = tf.function(lambda x, y: tf.linalg.matmul(x, y), jit_compile=xla)
+            sync(matmul(a, b))  # trace (and compile) + warm-up
+            calls = calls_to_fill(lambda: matmul(a, b), min_repeat_s)
+            rates = [2.0 * n**3 / t for t in time_calls(lambda: matmul(a, b), repeats, calls)]
+            shapes.append({
+                "n": n,
+                "xla": xla,
+                "calls_per_repeat": calls,
+                "best_flops": max(rates),
+                "median_flops": statistics.median(rates),
+                "repeats_flops": [round(r) for r in rates],
+            })
+    best = max(shapes, key=lambda shape: shape["best_flops"])
     return {
         "dtype": dtype,
-        "n": n,
-        "calls_per_repeat": calls,
-        "best_flops": max(rates),
-        "median_flops": statistics.median(rates),
-        "repeats_flops": [round(r) for r in rates],
+        "best_flops": best["best_flops"],
+        "best_shape": {"n": best["n"], "xla": best["xla"]},
+        "shapes": shapes,
     }
 
 
@@ -284,6 +326,16 @@ def header(benchmark: str, args, with_keras: bool = True) -> dict:
         "args": {k: v for k, v in vars(args).items()},
         "machine": machine_info(with_keras),
     }
+
+
+def add_results_dir_arg(parser) -> None:
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=RESULTS_DIR,
+        help="directory of the JSON (default bench/results; another machine's results go in a "
+        "directory of their own, e.g. bench/results/amd-epyc, read by report.py --results)",
+    )
 
 
 def add_load_args(parser) -> None:

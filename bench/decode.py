@@ -285,6 +285,7 @@ def parse_args():
     parser.add_argument("--skip-sentences", action="store_true", help="only the per-step part")
     parser.add_argument("--output-name", default="decode")
     common.add_load_args(parser)
+    common.add_results_dir_arg(parser)
     return parser.parse_args()
 
 
@@ -312,7 +313,7 @@ def main():
     if not args.skip_sentences:
         payload["sentences_per_s"] = sentences_per_second(model, tokenizer, args)
     payload["load"] = common.finish_load(load)
-    common.write_json(args.output_name, payload)
+    common.write_json(args.output_name, payload, args.results_dir)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=5, help="timed epochs after warm-up")
     parser.add_argument("--output-name", default="input_pipeline")
     common.add_load_args(parser)
+    common.add_results_dir_arg(parser)
     return parser.parse_args()
 
 
@@ -115,7 +116,7 @@ def main() -> None:
             "load": common.finish_load(load),
         }
     )
-    common.write_json(args.output_name, payload)
+    common.write_json(args.output_name, payload, args.results_dir)
     print(
         f"[input] {tokens_per_second:,.0f} tokens/s ({tokens_per_cpu_second:,.0f} per CPU-second) "
         f"after warm-up; {epoch['tokens']:,} tokens in {epoch['batches']} batches per epoch, "

@@ -175,8 +175,9 @@ def _gpu_xla_op_lines(events) -> set[tuple]:
 
 
 def profile_training(args) -> tuple[str, dict]:
+    import train_throughput as tt  # first: it picks TensorFlow's CPU kernels as train.py does
+
     import tensorflow as tf
-    import train_throughput as tt
 
     strategy = tt.single_device_strategy()
     batch = args.batch or tt.DEFAULT_BATCH[args.preset]
@@ -244,6 +245,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--logdir", default=None, help="profile directory (default runs/profile/<name>)")
     parser.add_argument("--top", type=int, default=12, help="rows printed per table")
+    common.add_results_dir_arg(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="one configuration of train_throughput.py")
     train.add_argument("--preset", default="small")
@@ -290,7 +292,7 @@ def main():
             _print_table("per step, by model part:", summary["by_model_part"], args.top)
     payload = common.header(f"profile-{name}", args)
     payload.update(summary)
-    common.write_json(f"profile-{name}", payload)
+    common.write_json(f"profile-{name}", payload, args.results_dir)
 
 
 if __name__ == "__main__":

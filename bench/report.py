@@ -2,7 +2,7 @@
 
 Usage:
     python bench/report.py                 # reads and writes bench/results/
-    python bench/report.py --results DIR
+    python bench/report.py --results DIR   # e.g. bench/results/amd-epyc, written with --results-dir
 
 Reads `train_throughput.json`, `decode.json`, `serving*.json` and `profile-*.json`
 (whichever exist), and
@@ -60,13 +60,23 @@ def machine_line(payload):
     versions = f"TF {m.get('tensorflow')}" + (f", Keras {m['keras']}" if m.get("keras") else "")
     if m.get("keras_hub"):
         versions += f", KerasHub {m['keras_hub']}"
-    return f"{m.get('cpu')} ({m.get('cpu_cores')} cores, {m.get('memory_gib')} GiB), {gpus}; {versions}"
+    features = [
+        name for key, name in (("cpu_avx512f", "AVX-512"), ("cpu_avx512_bf16", "AVX512_BF16"), ("cpu_amx_bf16", "AMX"))
+        if m.get(key)
+    ]
+    if "cpu_avx512f" in m and not features:
+        features = ["no AVX-512"]
+    details = ", ".join([f"{m.get('cpu_cores')} cores", *features, f"{m.get('memory_gib')} GiB"])
+    cpu = f"{m.get('cpu')} ({details})"
+    return f"{cpu}, {gpus}; {versions}"
 
 
 def load_note(payload):
     load = payload.get("load") or {}
     before, after = load.get("load_before"), load.get("load_after")
     text = f"load average before {before[0] if before else '?'}, after {after[0] if after else '?'}"
+    if payload["machine"].get("onednn") is not None:  # recorded since 2026-11-25
+        text += f"; TensorFlow's oneDNN CPU kernels {'on' if payload['machine']['onednn'] else 'off'}"
     if load.get("busy"):
         text += " — **the machine was busy (other jobs on the cores): figures are pessimistic and noisy**"
     return text
@@ -75,16 +85,33 @@ def load_note(payload):
 # --------------------------------------------------------------------------- training
 
 
+def peak_line(peaks):
+    """The peaks the MFU is over: the best square matmul per dtype, and which one it was."""
+    if not any("shapes" in peak for peak in peaks.values()):  # before 2026-11-25: 4096² without XLA only
+        return (
+            "Peak matmul (4096², best of 5, same run): "
+            + ", ".join(f"{k} {v['best_flops'] / 1e9:.0f} GFLOP/s" for k, v in peaks.items())
+            + "."
+        )
+    sizes = sorted({shape["n"] for peak in peaks.values() for shape in peak["shapes"]})
+    return (
+        f"Peak matmul (the best square matmul of sizes {', '.join(map(str, sizes))}, with and without XLA, "
+        "best of 5 each, same run): "
+        + ", ".join(
+            f"{k} {v['best_flops'] / 1e9:.0f} GFLOP/s ({v['best_shape']['n']}², "
+            f"{'XLA' if v['best_shape']['xla'] else 'no XLA'})"
+            for k, v in peaks.items()
+        )
+        + "."
+    )
+
+
 def train_section(payload):
     lines = ["## Training throughput", ""]
     lines.append(f"`{payload['command']}` — {payload['date_utc']}; {load_note(payload)}.")
     peaks = payload.get("peak_matmul", {})
     if peaks:
-        lines.append(
-            "Peak matmul (4096², best of 5, same run): "
-            + ", ".join(f"{k} {v['best_flops'] / 1e9:.0f} GFLOP/s" for k, v in peaks.items())
-            + "."
-        )
+        lines.append(peak_line(peaks))
     results = [r for r in payload["results"]]
     if results:
         r0 = results[0]
@@ -120,14 +147,23 @@ def train_section(payload):
             f"{fmt(r['step_time']['median_s'] * 1e3)} | {r['model_flops_per_s'] / 1e12:.3f} | "
             f"{r['mfu']:.1%} | {r['mfu_vs_float32_peak']:.1%} | {ratio} |"
         )
+    if any("shapes" in peak for peak in peaks.values()):
+        xla_note = (
+            "Each peak is the faster of TensorFlow's own kernel and XLA's: XLA on a CPU computes "
+            "bfloat16 dots in float32, so on a CPU without AMX the bf16 peak can be that rate."
+        )
+    else:
+        xla_note = (
+            "XLA on a CPU computes bfloat16 dots in float32, so where the bf16 peak is below the "
+            "float32 one (a CPU without AMX), a bf16 XLA step can pass 100% of the bf16 peak: read "
+            "the fp32 column there."
+        )
     lines += [
         "",
         "MFU: model FLOPs/s over the measured peak of the step's precision (bf16 peak for "
         "mixed_bfloat16, fp16 peak for mixed_float16); MFU (fp32 peak): over the float32 peak "
-        "(TF32 on Ampere and newer GPUs unless disabled). XLA on a CPU computes "
-        "bfloat16 dots in float32, so where the bf16 peak is below the float32 one (a CPU "
-        "without AMX), a bf16 XLA step can pass 100% of the bf16 peak: read the fp32 column "
-        "there. `peer`: KerasHub `TransformerEncoder`/`TransformerDecoder` with "
+        f"(TF32 on Ampere and newer GPUs unless disabled). {xla_note} "
+        "`peer`: KerasHub `TransformerEncoder`/`TransformerDecoder` with "
         "`dropout=0.1` (which also drops attention weights); `peer_noattndrop`: the same "
         "with attention-weight dropout off, i.e. exactly our architecture.",
         "",
@@ -371,6 +407,10 @@ def main():
     if first is None:
         raise SystemExit(f"No benchmark results in {out}; run the benchmarks first (see bench/README.md).")
     lines += [f"Machine: {machine_line(first)}.", ""]
+    # Another machine's results live in a directory of their own (the scripts' --results-dir).
+    others = sorted(sub.name for sub in out.iterdir() if sub.is_dir() and (sub / "RESULTS.md").exists())
+    if others:
+        lines += ["Other machines: " + ", ".join(f"[{name}]({name}/RESULTS.md)" for name in others) + ".", ""]
     images = []
     if train:
         lines += train_section(train)

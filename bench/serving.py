@@ -115,6 +115,7 @@ def main():
     parser.add_argument("--thread-sentences", type=int, default=400, help="sentences sent by the threads")
     parser.add_argument("--output-name", default="serving")
     common.add_load_args(parser)
+    common.add_results_dir_arg(parser)
     args = parser.parse_args()
 
     version_dir = resolve_version_dir(args.saved_model)
@@ -240,7 +241,7 @@ def main():
     payload["imports_only_tf_and_tf_text"] = not imported
     payload["unexpected_imports"] = imported
     payload["load"] = common.finish_load(load, own_threads=args.threads)
-    common.write_json(args.output_name, payload)
+    common.write_json(args.output_name, payload, args.results_dir)
 
 
 if __name__ == "__main__":

@@ -45,9 +45,9 @@ d_model, f = d_ff, V = vocabulary:
 
 i.e. the "6 x non-embedding parameters per token" rule for training plus the attention
 score FLOPs plus the output projection. MFU = model FLOPs/s / peak matmul FLOP/s, the
-peak measured in the same run (best of several 4096x4096 `tf.linalg.matmul`s under
-`tf.function`, in float32 and in bfloat16); mixed-precision runs are also given against
-the float32 peak.
+peak measured in the same run (the best square `tf.linalg.matmul` of sizes 1024 to 4096,
+under `tf.function` with and without XLA, in float32 and in bfloat16; see
+`common.peak_matmul_flops`); mixed-precision runs are also given against the float32 peak.
 
 Writes `bench/results/train_throughput.json`.
 """
@@ -65,6 +65,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+
+common.use_train_py_cpu_kernels()  # before TensorFlow is imported
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -459,9 +461,13 @@ def parse_args():
         help="more steps per repeat when --steps take less than this (on a GPU)",
     )
     parser.add_argument("--repeats", type=int, default=4, help="timed repeats (the median is reported)")
-    parser.add_argument("--peak-n", type=int, default=4096, help="size of the peak-FLOP/s matmul")
+    parser.add_argument(
+        "--peak-sizes", type=int, nargs="+", default=list(common.PEAK_SIZES),
+        help="sizes n of the [n, n] matmuls the peak FLOP/s is the best of",
+    )
     parser.add_argument("--output-name", default="train_throughput")
     common.add_load_args(parser)
+    common.add_results_dir_arg(parser)
     return parser.parse_args()
 
 
@@ -473,23 +479,27 @@ def main():
     payload = common.header("train_throughput", args)
     # Every step's MFU is over the peak of its own precision, and also over the float32 peak.
     dtypes = ["float32", "bfloat16"] + (["float16"] if "mixed_float16" in precisions else [])
-    peaks = {dtype: common.peak_matmul_flops(dtype, args.peak_n) for dtype in dtypes}
+    peaks = {dtype: common.peak_matmul_flops(dtype, args.peak_sizes) for dtype in dtypes}
     print(
         "[train] peak matmul: "
-        + ", ".join(f"{dtype} {peak['best_flops'] / 1e9:.0f} GFLOP/s" for dtype, peak in peaks.items()),
+        + ", ".join(
+            f"{dtype} {peak['best_flops'] / 1e9:.0f} GFLOP/s ({peak['best_shape']['n']}², "
+            f"{'XLA' if peak['best_shape']['xla'] else 'no XLA'})"
+            for dtype, peak in peaks.items()
+        ),
         flush=True,
     )
     results = []
     for preset, precision, jit in configurations(args.presets, precisions, args.jit):
         results += run_group(preset, precision, jit == "on", args.impls, args, peaks, strategy)
         payload.update({"load": common.finish_load(dict(load)), "peak_matmul": peaks, "results": results})
-        common.write_json(args.output_name, payload)  # partial results survive an interruption
+        common.write_json(args.output_name, payload, args.results_dir)  # partial results survive an interruption
     # Peaks again at the end: a drift between the two says the machine's speed changed.
-    peaks_end = common.peak_matmul_flops("float32", args.peak_n)
+    peaks_end = common.peak_matmul_flops("float32", args.peak_sizes)
     payload["peak_matmul_float32_end"] = peaks_end
     payload["ratios_ours_over_peer"] = ratios(results)
     payload["load"] = common.finish_load(load)
-    common.write_json(args.output_name, payload)
+    common.write_json(args.output_name, payload, args.results_dir)
     for key, value in payload["ratios_ours_over_peer"].items():
         print(f"[train] ours/peer {key}: {value:.2f}x", flush=True)
 

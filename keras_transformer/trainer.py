@@ -446,7 +446,7 @@ class Trainer:
         tokens = max(sums["tokens"], 1.0)
         loss = sums["loss_sum"] / tokens
         accuracy = sums["correct"] / tokens
-        learning_rate = float(self.schedule(step - 1))
+        learning_rate = self._last_learning_rate()
         elapsed = time.monotonic() - started
         tokens_per_second, eta = self._speed(interval, step, elapsed)
         logger.info(
@@ -469,6 +469,15 @@ class Trainer:
                 tf.summary.scalar("grad_norm", grad_norm)
             if tokens_per_second is not None:  # A 0 would be a false dip in the curve.
                 tf.summary.scalar("tokens_per_second", tokens_per_second)
+
+    def _last_learning_rate(self):
+        """The rate of the last update applied.
+
+        From the optimizer's count of updates, not the trainer's `step`: with float16 loss
+        scaling, a step whose gradients overflowed applies no update and the schedule does
+        not advance.
+        """
+        return float(self.schedule(max(int(self.optimizer.iterations) - 1, 0)))
 
     def _log_rest(self, step, interval, started, writer):
         """A progress line for the steps since the last one, when the run stops between lines."""

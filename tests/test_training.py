@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from keras_transformer import data, distribution, run_dir
 from keras_transformer.model import Transformer
+from keras_transformer.schedule import TransformerSchedule
 from keras_transformer.tokenizer import SubwordTokenizer
 from keras_transformer.trainer import Trainer, TrainingConfig
 
@@ -131,13 +132,13 @@ RESUME_STEPS = 6
 STOP_STEP = 3
 
 
-def _training_losses(run):
-    """Per-step training loss from the TensorBoard event files of `run` (log_every=1)."""
+def _training_losses(run, tag="loss"):
+    """Per-step training loss (or scalar `tag`) from the TensorBoard event files of `run` (log_every=1)."""
     losses = {}
     for path in sorted((run / run_dir.LOG_DIR / "train").glob("events.*")):
         for event in tf.compat.v1.train.summary_iterator(str(path)):
             for value in event.summary.value:
-                if value.tag == "loss":
+                if value.tag == tag:
                     losses[event.step] = float(tf.make_ndarray(value.tensor))
     return losses
 
@@ -224,6 +225,28 @@ def test_float16_on_a_cpu_trains_without_the_matmul_bias_fusion(
     assert trainer.fit(_synthetic_pairs_dataset).step == 2
     losses = _training_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2] and all(np.isfinite(list(losses.values())))
+
+
+def test_float16_steps_that_overflow_apply_no_update_and_the_logged_rate_follows_the_updates(tmp_path):
+    """A loss scale far too high makes the first float16 steps overflow: the optimizer skips them
+    (and halves the scale), so the schedule advances only with the updates applied, and so must
+    the logged learning rate."""
+    config = TrainingConfig(train_steps=8, warmup_steps=20, log_every=1, mixed_precision="fp16")
+    trainer = Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+        tmp_path / "run",
+        config,
+    )
+    trainer.optimizer.dynamic_scale.assign(2.0**22)  # overflows the first steps (4 of 8 here), not all
+    assert trainer.fit(_synthetic_pairs_dataset).step == 8
+
+    updates = int(trainer.optimizer.iterations)
+    assert 0 < updates < 8, updates  # some steps skipped, some applied
+    rates = _training_losses(tmp_path / "run", tag="learning_rate")
+    schedule = TransformerSchedule(trainer.model.d_model, warmup_steps=20)
+    assert rates[8] == pytest.approx(float(schedule(updates - 1)))
+    assert rates[8] < float(schedule(7))  # the warm-up rate of step 8, which was not applied
 
 
 def test_only_cpu_strategies_count_as_cpu_only():
