@@ -265,9 +265,9 @@ def peak_matmul_flops(
     The denominator of the model FLOPs utilisation; measured in the same run as the
     model, so both see the same clocks and the same neighbours on a shared machine.
     Why several sizes and both kernels: one shape can miss the machine's limit by far.
-    On a 2-core AMD EPYC with AVX2 (2026-11-25), oneDNN (TensorFlow's CPU matmul outside
-    XLA) ran 4096² at 88 GFLOP/s and 3072² at 154, while XLA's dot ran both at ~150, and
-    an XLA training step then reached "122%" of the 4096² figure.
+    On a 2-core AMD EPYC with AVX2 (2026-11-25), TensorFlow's default CPU matmul outside
+    XLA (Eigen's there) ran 4096² at 88 GFLOP/s and 3072² at 151, XLA's dot both at ~150,
+    and an XLA training step then reached "122%" of the 4096² figure.
     Each shape is timed `repeats` times, each repeat making as many calls as fill
     `min_repeat_s` (one on a CPU, hundreds on a GPU). On an Ampere or newer GPU,
     "float32" matmuls use TF32 unless it is disabled (`machine_info` records the setting).
