@@ -477,7 +477,7 @@ class Trainer:
         scaling, a step whose gradients overflowed applies no update and the schedule does
         not advance.
         """
-        return float(self.schedule(max(int(self.optimizer.iterations) - 1, 0)))
+        return float(self.schedule(max(int(self.optimizer.iterations.numpy()) - 1, 0)))
 
     def _log_rest(self, step, interval, started, writer):
         """A progress line for the steps since the last one, when the run stops between lines."""
