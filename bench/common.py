@@ -87,13 +87,13 @@ def cpu_flags() -> set[str]:
 
 
 def use_train_py_cpu_kernels() -> None:
-    """TensorFlow's oneDNN CPU kernels on x86, as `train.py` asks for them (see there).
+    """TensorFlow's CPU kernels as `train.py` chooses them (oneDNN on x86, see there).
 
     Call before TensorFlow is imported, so that a training benchmark times the kernels
-    training uses; `TF_ENABLE_ONEDNN_OPTS` set in the environment wins.
+    training uses; `TF_ENABLE_ONEDNN_OPTS` set in the environment wins. Importing
+    `train` (standard library only at import) applies its environment settings.
     """
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+    import train  # noqa: F401
 
 
 def onednn_enabled():
@@ -328,11 +328,11 @@ def header(benchmark: str, args, with_keras: bool = True) -> dict:
     }
 
 
-def add_results_dir_arg(parser) -> None:
+def add_results_dir_arg(parser, default=RESULTS_DIR) -> None:
     parser.add_argument(
         "--results-dir",
         type=Path,
-        default=RESULTS_DIR,
+        default=default,
         help="directory of the JSON (default bench/results; another machine's results go in a "
         "directory of their own, e.g. bench/results/amd-epyc, read by report.py --results)",
     )

@@ -241,13 +241,24 @@ def profile_serving(args) -> tuple[str, dict]:
     return name, {"logdir": str(logdir), **summary}
 
 
+def _add_shared_args(parser, with_defaults=True):
+    def default(value):
+        return value if with_defaults else argparse.SUPPRESS
+
+    parser.add_argument("--logdir", default=default(None), help="profile directory (default runs/profile/<name>)")
+    parser.add_argument("--top", type=int, default=default(12), help="rows printed per table")
+    common.add_results_dir_arg(parser, default=default(common.RESULTS_DIR))
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--logdir", default=None, help="profile directory (default runs/profile/<name>)")
-    parser.add_argument("--top", type=int, default=12, help="rows printed per table")
-    common.add_results_dir_arg(parser)
+    _add_shared_args(parser)
+    # The same options after the command too (`train --top 20`), without defaults there:
+    # argparse would let a sub-command's default overwrite a value given before it.
+    shared = argparse.ArgumentParser(add_help=False)
+    _add_shared_args(shared, with_defaults=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="one configuration of train_throughput.py")
+    train = commands.add_parser("train", parents=[shared], help="one configuration of train_throughput.py")
     train.add_argument("--preset", default="small")
     train.add_argument("--precision", default="float32", choices=["float32", "mixed_bfloat16", "mixed_float16"])
     train.add_argument("--jit", default="off", choices=["off", "on"])
@@ -257,7 +268,9 @@ def parse_args():
     train.add_argument("--tgt-len", type=int, default=24)
     train.add_argument("--vocab-size", type=int, default=8000)
     train.add_argument("--steps", type=int, default=3, help="profiled steps (after 3 warm-up steps)")
-    serving = commands.add_parser("serving", help="single-sentence requests to an exported SavedModel")
+    serving = commands.add_parser(
+        "serving", parents=[shared], help="single-sentence requests to an exported SavedModel"
+    )
     serving.add_argument("--saved-model", type=Path, required=True)
     serving.add_argument("--data-dir", default=None, help="Multi30k directory (default: MULTI30K_DIR / shared)")
     serving.add_argument("--warmup", type=int, default=40)

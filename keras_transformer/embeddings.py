@@ -153,11 +153,22 @@ class SharedEmbedding(keras.layers.Layer):
 
     def call(self, inputs, reverse=False, transposed_embeddings=None):
         if reverse:
+            if inputs.shape[-1] not in (None, self.d_model):
+                raise ValueError(
+                    f"SharedEmbedding(reverse=True) projects hidden states [..., d_model={self.d_model}], "
+                    f"got shape {tuple(inputs.shape)}."
+                )
             if transposed_embeddings is None:
                 transposed_embeddings = self.transposed_embeddings(inputs.dtype)
-            logits = ops.matmul(inputs, ops.cast(transposed_embeddings, inputs.dtype))
+            # One 2-D matmul over all positions: a `[batch, length, d_model]` operand makes
+            # TensorFlow broadcast the kernel over the batch, and the kernel's gradient becomes
+            # one `[d_model, vocab_size]` product per sentence, summed afterwards.
+            shape = ops.shape(inputs)
+            logits = ops.matmul(
+                ops.reshape(inputs, (-1, self.d_model)), ops.cast(transposed_embeddings, inputs.dtype)
+            )
             # Softmax and loss want float32 logits even under mixed precision.
-            return ops.cast(logits, "float32")
+            return ops.cast(ops.reshape(logits, tuple(shape[:-1]) + (self.vocab_size,)), "float32")
         embedded = ops.take(self.embeddings, ops.cast(inputs, "int32"), axis=0)
         return embedded * ops.cast(math.sqrt(self.d_model), embedded.dtype)
 

@@ -106,3 +106,25 @@ def test_an_xla_gpu_trace_counts_the_gpus_xla_ops_line_once(monkeypatch):
     assert summary["outer_ms"] == 6.0
     assert {row["name"]: row["ms"] for row in summary["by_op"]} == {"dot.1": 0.45, "fusion.2": 0.15}
     assert summary["op_time_ms"] == 0.6
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--top", "20", "--results-dir", "elsewhere", "train", "--jit", "on"],
+        ["train", "--top", "20", "--results-dir", "elsewhere", "--jit", "on"],
+        ["--top", "5", "train", "--top", "20", "--results-dir", "elsewhere", "--jit", "on"],
+    ],
+)
+def test_shared_options_work_before_and_after_the_command(monkeypatch, argv):
+    """The commands recorded in results put `--top` first; `--results-dir` is usually given last."""
+    monkeypatch.setattr(sys, "argv", ["profile_trace.py", *argv])
+    args = profile_trace.parse_args()
+    got = (args.command, args.top, args.results_dir, args.jit, args.logdir)
+    assert got == ("train", 20, Path("elsewhere"), "on", None)
+
+
+def test_shared_options_keep_their_defaults_when_not_given(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["profile_trace.py", "serving", "--saved-model", "m"])
+    args = profile_trace.parse_args()
+    assert (args.top, args.logdir, args.results_dir) == (12, None, profile_trace.common.RESULTS_DIR)

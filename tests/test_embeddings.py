@@ -86,6 +86,40 @@ def test_shared_embedding_scales_lookups_and_ties_the_projection():
     assert len(layer.trainable_weights) == 1
 
 
+def test_the_output_projection_and_its_gradients_match_the_formula_for_any_leading_shape():
+    """Logits h E^T and their gradients dh = g E, dE = g^T h (g = dloss/dlogits), with the
+    batch and length unknown when the function is traced, and for a single position."""
+    import tensorflow as tf
+
+    layer = SharedEmbedding(vocab_size=13, d_model=8)
+    layer.build()
+    matrix = np.asarray(layer.embeddings, dtype="float64")
+    rng = np.random.default_rng(1)
+
+    def logits_and_gradients(hidden, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(hidden)
+            logits = layer(hidden, reverse=True)
+            loss = tf.reduce_sum(logits * upstream)
+        return (logits, *tape.gradient(loss, [hidden, layer.embeddings]))
+
+    for leading in [(3, 5), (2,), (2, 1)]:
+        unknown = [None] * len(leading)
+        traced = tf.function(
+            logits_and_gradients,
+            input_signature=[tf.TensorSpec(unknown + [8], tf.float32), tf.TensorSpec(unknown + [13], tf.float32)],
+        )
+        hidden = rng.normal(size=leading + (8,)).astype("float32")
+        upstream = rng.normal(size=leading + (13,)).astype("float32")
+        logits, d_hidden, d_matrix = (np.asarray(t) for t in traced(hidden, upstream))
+        rows_h, rows_g = hidden.reshape(-1, 8).astype("float64"), upstream.reshape(-1, 13).astype("float64")
+        np.testing.assert_allclose(logits, (rows_h @ matrix.T).reshape(leading + (13,)), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(d_hidden, (rows_g @ matrix).reshape(leading + (8,)), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(d_matrix, rows_g.T @ rows_h, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"projects hidden states \[..., d_model=8\], got shape \(2, 3, 4\)"):
+        layer(np.zeros((2, 3, 4), "float32"), reverse=True)
+
+
 def test_bad_sizes_are_clear_errors():
     with pytest.raises(ValueError, match="vocab_size"):
         SharedEmbedding(0, 4)
