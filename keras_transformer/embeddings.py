@@ -114,8 +114,8 @@ class SharedEmbedding(keras.layers.Layer):
         **kwargs: Base `keras.layers.Layer` arguments.
 
     Call arguments:
-        inputs: Token ids `[batch, length]`, or hidden states
-            `[batch, length, d_model]` when `reverse=True`.
+        inputs: Token ids `[batch, length]`, or hidden states `[..., d_model]`
+            (usually `[batch, length, d_model]`) when `reverse=True`.
         reverse: Project hidden states to vocabulary logits with the transposed
             embedding matrix instead of embedding ids.
         transposed_embeddings: With `reverse`, optionally the result of
@@ -123,7 +123,7 @@ class SharedEmbedding(keras.layers.Layer):
             same weights.
 
     Returns:
-        `embedding[ids] * sqrt(d_model)`, or float32 logits `[batch, length, vocab_size]`.
+        `embedding[ids] * sqrt(d_model)`, or float32 logits `[..., vocab_size]`.
     """
 
     def __init__(self, vocab_size, d_model, **kwargs):
