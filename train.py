@@ -18,7 +18,7 @@ import platform
 
 # Both before TensorFlow is imported. TensorFlow turns its oneDNN CPU kernels on by itself
 # only on x86 CPUs with AVX-512 VNNI/BF16 or AMX, but training steps run faster with them
-# on AVX2 CPUs too: a `small` step took 1,418 ms instead of 2,268 ms on a 2-core AMD EPYC
+# on AVX2 CPUs too: a `small` step took 1,421 ms instead of 2,268 ms on a 2-core AMD EPYC
 # (`bench/train_throughput.py`, 2026-11-25). TF_ENABLE_ONEDNN_OPTS=0 keeps TensorFlow's choice.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if platform.machine().lower() in ("x86_64", "amd64"):
