@@ -21,6 +21,14 @@ Usage:
    Targets: cached per_step_marginal at L=160 within 1.5x of L=10; cached T(160) at least
    4x below uncached T(160).
 
+   The machine's limit for a cached step: with one sentence, a step multiplies each
+   decoder weight matrix by `beam` rows, one multiply-add per beam for each weight read,
+   so memory reads, not FLOP/s, set its floor. Each cached figure is also given as the rate at
+   which it reads the step's weights (`cached_step_weight_bytes` / per_step_marginal) and
+   as a share of the peak read bandwidth measured in the same run
+   (`common.peak_read_bandwidth`). The weights are a lower bound of a step's traffic
+   (caches and activations come on top), so the share is a lower bound too.
+
 2. Sentences/s translating the Multi30k test set (file order) with the run's
    `keras_transformer.translator.Translator` (text in, text out: tokenizer + beam 4 +
    detokenizer, one `tf.function`), in batches of 1 (`--batch1-sentences`, default the
@@ -34,6 +42,7 @@ Writes `bench/results/decode.json`.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -91,6 +100,27 @@ def model_description(model):
     }
 
 
+# Decoder weights a cached step does not read: the source's keys and values are
+# projected once per sentence (`Transformer.init_cache`).
+_PROJECTED_ONCE_PER_SENTENCE = re.compile(r"/cross_attention/(key|value)_(kernel|bias)$")
+
+
+def cached_step_weight_bytes(model):
+    """Bytes of weights one cached decoding step reads, whatever the batch or beam.
+
+    The decoder's weights but the cross-attention key and value projections, plus the
+    output projection `[d_model, vocab_size]` in the compute dtype (the target
+    embedding lookup reads only the beams' rows and is left out).
+    """
+    decoder = sum(
+        int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
+        for w in model.decoder.weights
+        if not _PROJECTED_ONCE_PER_SENTENCE.search(w.path)
+    )
+    output_projection = model.d_model * model.vocab_size * np.dtype(model.embedding.compute_dtype).itemsize
+    return decoder + output_projection
+
+
 def fixed_length_search(model, source_ids, length, mode, beam_size):
     """A function running one search that decodes exactly `length` tokens per hypothesis."""
     options = MODES[mode]
@@ -146,7 +176,8 @@ def time_searches(model, source_ids, lengths, mode, beam_size, rounds, min_secon
     }
 
 
-def per_step_benchmark(model, args):
+def per_step_benchmark(model, args, weight_bytes, peak_read_bytes_per_s):
+    """Per-step times of every mode and length; a cached step's also as a weight-read rate."""
     rng = np.random.default_rng(0)
     source = rng.integers(4, model.vocab_size, size=(args.batch, args.source_length), dtype=np.int32)
     source[:, -1] = EOS_ID
@@ -168,22 +199,28 @@ def per_step_benchmark(model, args):
         for length in lengths:
             total = timings[length]["median_s"]
             marginal = None if length == 1 else (total - baseline) / (length - 1)
-            results.append(
-                {
-                    "mode": mode,
-                    "length": length,
-                    "batch": args.batch,
-                    "beam_size": args.beam_size,
-                    "source_length": args.source_length,
-                    "search": timings[length],
-                    "per_step_total_s": total / length,
-                    "per_step_marginal_s": marginal,
-                }
-            )
+            result = {
+                "mode": mode,
+                "length": length,
+                "batch": args.batch,
+                "beam_size": args.beam_size,
+                "source_length": args.source_length,
+                "search": timings[length],
+                "per_step_total_s": total / length,
+                "per_step_marginal_s": marginal,
+            }
+            note = ""
+            if mode != "uncached" and marginal and marginal > 0:
+                rate = weight_bytes / marginal
+                result["weight_read_bytes_per_s"] = rate
+                result["read_bandwidth_utilisation"] = rate / peak_read_bytes_per_s
+                note = f", weights read at {rate / 1e9:5.1f} GB/s ({rate / peak_read_bytes_per_s:.0%} of peak)"
+            results.append(result)
             print(
                 f"[decode] {mode:10s} L={length:4d}: search {total * 1e3:8.1f} ms, "
                 f"per step {total / length * 1e3:6.2f} ms (total/L)"
-                + ("" if marginal is None else f", {marginal * 1e3:6.2f} ms (marginal)"),
+                + ("" if marginal is None else f", {marginal * 1e3:6.2f} ms (marginal)")
+                + note,
                 flush=True,
             )
     return results
@@ -306,7 +343,17 @@ def main():
     load = common.quiet(args)
     payload = common.header("decode", args)
     payload["model"] = {**source, **model_description(model)}
-    payload["per_step"] = per_step_benchmark(model, args)
+    peak_read = common.peak_read_bandwidth()
+    weight_bytes = cached_step_weight_bytes(model)
+    print(
+        f"[decode] peak read bandwidth {peak_read['best_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"({'XLA' if peak_read['best_xla'] else 'TensorFlow'}'s reduce_sum); a cached step reads "
+        f"{weight_bytes / 1e6:.1f} MB of weights",
+        flush=True,
+    )
+    payload["peak_read_bandwidth"] = peak_read
+    payload["cached_step_weight_bytes"] = weight_bytes
+    payload["per_step"] = per_step_benchmark(model, args, weight_bytes, peak_read["best_bytes_per_s"])
     payload["targets"] = targets(payload["per_step"])
     for key, value in payload["targets"].items():
         print(f"[decode] target {key}: {value}", flush=True)

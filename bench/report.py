@@ -256,6 +256,7 @@ def decode_section(payload):
                 else:
                     cells.append("–")
             lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+        lines += memory_bound_lines(payload, per_step, lengths)
     targets = payload.get("targets", {})
     if targets:
         lines += ["", "| target | measured | result |", "| --- | ---: | --- |"]
@@ -282,6 +283,38 @@ def decode_section(payload):
     elif sps:
         lines += ["", f"Sentences/s: skipped ({sps['skipped']})."]
     lines.append("")
+    return lines
+
+
+def memory_bound_lines(payload, per_step, lengths):
+    """The cached steps as weight-read rates against the measured peak (recorded since 2026-11-25)."""
+    peak = payload.get("peak_read_bandwidth")
+    rated = [r for r in per_step if "weight_read_bytes_per_s" in r]
+    if not peak or not rated:
+        return []
+    best = "XLA's" if peak["best_xla"] else "TensorFlow's"
+    lines = [
+        "",
+        f"A cached step reads at least {payload['cached_step_weight_bytes'] / 1e6:.1f} MB of weights "
+        "(the decoder's, less the source's key and value projections, plus the output projection), "
+        "one multiply-add per beam for each weight, so its floor is the time to read them. "
+        f"Peak read bandwidth (sum of a {peak['array_bytes'] // 2**20} MiB float32 array, TensorFlow's and "
+        f"XLA's kernels, best of 5, same run): {peak['best_bytes_per_s'] / 1e9:.1f} GB/s ({best}). "
+        "Weights read per second (weights / per-step time) and their share of that peak, "
+        "a lower bound (caches and activations are read too):",
+        "",
+        "| mode | " + " | ".join(f"L={n}" for n in lengths) + " |",
+        "| --- | " + " | ".join("---:" for _ in lengths) + " |",
+    ]
+    for mode in dict.fromkeys(r["mode"] for r in rated):
+        cells = []
+        for n in lengths:
+            match = [r for r in rated if r["mode"] == mode and r["length"] == n]
+            cells.append(
+                f"{match[0]['weight_read_bytes_per_s'] / 1e9:.1f} GB/s ({match[0]['read_bandwidth_utilisation']:.0%})"
+                if match else "–"
+            )
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -1,0 +1,44 @@
+"""bench/decode.py's memory-bound figures: the weights a cached step reads, and the peak read rate."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import common  # noqa: E402
+import decode  # noqa: E402
+
+from keras_transformer.model import Transformer  # noqa: E402
+
+
+@pytest.mark.parametrize("policy, output_bytes", [("float32", 4), ("mixed_bfloat16", 2)])
+def test_a_cached_step_reads_the_decoder_but_the_source_projections_and_the_output_projection(policy, output_bytes):
+    num_layers, d_model, num_heads, d_ff, vocab = 2, 16, 4, 24, 50
+    model = Transformer(
+        vocab, num_layers=num_layers, d_model=d_model, num_heads=num_heads, d_ff=d_ff, dtype=policy
+    )
+    model.build()
+    projection = d_model * d_model + d_model  # a kernel and its bias
+    per_layer = (
+        4 * projection  # self-attention: queries, keys, values, output
+        + 2 * projection  # cross-attention: queries and output (keys and values once per sentence)
+        + d_model * d_ff + d_ff + d_ff * d_model + d_model  # feed-forward network
+        + 3 * 2 * d_model  # three layer norms, gain and bias
+    )
+    expected = num_layers * per_layer * 4 + d_model * vocab * output_bytes  # variables are float32
+    assert decode.cached_step_weight_bytes(model) == expected
+
+
+def test_the_peak_read_rate_is_the_array_size_over_the_fastest_kernels_best_time(monkeypatch):
+    per_call = {False: [0.004, 0.002, 0.003], True: [0.001, 0.005, 0.006]}  # seconds, TF then XLA
+    kernels = iter([False, True])
+    monkeypatch.setattr(common, "calls_to_fill", lambda fn, seconds: 1)
+    monkeypatch.setattr(common, "time_calls", lambda fn, repeats, calls: per_call[next(kernels)])
+    peak = common.peak_read_bandwidth(size_mib=1, repeats=3)
+    assert peak["array_bytes"] == 2**20
+    assert peak["best_bytes_per_s"] == pytest.approx(2**20 / 0.001)
+    assert peak["best_xla"] is True
+    tf_kernel = next(k for k in peak["kernels"] if not k["xla"])
+    assert tf_kernel["best_bytes_per_s"] == pytest.approx(2**20 / 0.002)
+    assert tf_kernel["median_bytes_per_s"] == pytest.approx(2**20 / 0.003)
