@@ -11,6 +11,7 @@ Nothing here is specific to a CPU: on a CUDA machine the same code times the GPU
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import os
@@ -257,6 +258,27 @@ def percentile(values: list[float], q: float) -> float:
 PEAK_SIZES = (1024, 2048, 3072, 4096)
 
 
+def _rates_per_kernel(fn, work: float, repeats: int, min_repeat_s: float) -> list[dict]:
+    """`work` per second done by `fn()` run by TensorFlow's kernels and compiled by XLA.
+
+    Each is timed `repeats` times, each repeat making as many calls as fill
+    `min_repeat_s`. Returns `[{"xla", "calls_per_repeat", "rates"}]`, TensorFlow's first.
+    """
+    import tensorflow as tf
+
+    kernels = []
+    for xla in (False, True):
+        run = tf.function(fn, jit_compile=xla)
+        sync(run())  # trace (and compile) + warm-up
+        calls = calls_to_fill(run, min_repeat_s)
+        kernels.append({
+            "xla": xla,
+            "calls_per_repeat": calls,
+            "rates": [work / t for t in time_calls(run, repeats, calls)],
+        })
+    return kernels
+
+
 def peak_matmul_flops(
     dtype: str = "float32", sizes=PEAK_SIZES, repeats: int = 5, min_repeat_s: float = 0.2
 ) -> dict:
@@ -283,15 +305,12 @@ def peak_matmul_flops(
     for n in sizes:
         a = tf.cast(tf.random.normal((n, n), seed=1), dtype)
         b = tf.cast(tf.random.normal((n, n), seed=2), dtype)
-        for xla in (False, True):
-            matmul = tf.function(lambda x, y: tf.linalg.matmul(x, y), jit_compile=xla)
-            sync(matmul(a, b))  # trace (and compile) + warm-up
-            calls = calls_to_fill(lambda: matmul(a, b), min_repeat_s)
-            rates = [2.0 * n**3 / t for t in time_calls(lambda: matmul(a, b), repeats, calls)]
+        for kernel in _rates_per_kernel(functools.partial(tf.linalg.matmul, a, b), 2.0 * n**3, repeats, min_repeat_s):
+            rates = kernel["rates"]
             shapes.append({
                 "n": n,
-                "xla": xla,
-                "calls_per_repeat": calls,
+                "xla": kernel["xla"],
+                "calls_per_repeat": kernel["calls_per_repeat"],
                 "best_flops": max(rates),
                 "median_flops": statistics.median(rates),
                 "repeats_flops": [round(r) for r in rates],
@@ -326,18 +345,15 @@ def peak_read_bandwidth(size_mib: int = 256, repeats: int = 5, min_repeat_s: flo
 
     array = tf.Variable(tf.ones([size_mib * 2**20 // 4]), trainable=False)
     array_bytes = size_mib * 2**20
-    kernels = []
-    for xla in (False, True):
-        total = tf.function(lambda: tf.reduce_sum(array), jit_compile=xla)
-        sync(total())  # trace (and compile) + warm-up
-        calls = calls_to_fill(total, min_repeat_s)
-        rates = [array_bytes / t for t in time_calls(total, repeats, calls)]
-        kernels.append({
-            "xla": xla,
-            "calls_per_repeat": calls,
-            "best_bytes_per_s": max(rates),
-            "median_bytes_per_s": statistics.median(rates),
-        })
+    kernels = [
+        {
+            "xla": kernel["xla"],
+            "calls_per_repeat": kernel["calls_per_repeat"],
+            "best_bytes_per_s": max(kernel["rates"]),
+            "median_bytes_per_s": statistics.median(kernel["rates"]),
+        }
+        for kernel in _rates_per_kernel(lambda: tf.reduce_sum(array), array_bytes, repeats, min_repeat_s)
+    ]
     best = max(kernels, key=lambda kernel: kernel["best_bytes_per_s"])
     return {
         "best_bytes_per_s": best["best_bytes_per_s"],

@@ -1,4 +1,4 @@
-"""bench/decode.py's memory-bound figures: the weights a cached step reads, and the peak read rate."""
+"""bench/common.py's measured peaks (matmul FLOP/s, memory reads) and bench/decode.py's weights per cached step."""
 
 import sys
 from pathlib import Path
@@ -42,3 +42,16 @@ def test_the_peak_read_rate_is_the_array_size_over_the_fastest_kernels_best_time
     tf_kernel = next(k for k in peak["kernels"] if not k["xla"])
     assert tf_kernel["best_bytes_per_s"] == pytest.approx(2**20 / 0.002)
     assert tf_kernel["median_bytes_per_s"] == pytest.approx(2**20 / 0.003)
+
+
+def test_the_peak_matmul_is_the_best_rate_over_sizes_and_kernels(monkeypatch):
+    # Per size, TensorFlow's kernel then XLA's: seconds per call of each repeat.
+    per_call = iter([[0.1, 0.2], [0.05, 0.3], [0.1, 0.4], [1.0, 2.0]])
+    monkeypatch.setattr(common, "calls_to_fill", lambda fn, seconds: 1)
+    monkeypatch.setattr(common, "time_calls", lambda fn, repeats, calls: next(per_call))
+    peak = common.peak_matmul_flops("float32", sizes=(2, 3), repeats=2)
+    assert peak["best_flops"] == pytest.approx(2 * 3**3 / 0.1)
+    assert peak["best_shape"] == {"n": 3, "xla": False}
+    xla_2 = next(s for s in peak["shapes"] if s["n"] == 2 and s["xla"])
+    assert xla_2["best_flops"] == pytest.approx(2 * 2**3 / 0.05)
+    assert xla_2["median_flops"] == pytest.approx((2 * 2**3 / 0.05 + 2 * 2**3 / 0.3) / 2)
