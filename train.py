@@ -773,16 +773,20 @@ def train(args):
 
 
 def main(argv=None):
-    """Runs the command line `argv`; returns the exit code (2 for bad flags or data)."""
+    """Runs the command line `argv`; returns the exit code (2 for bad flags or data, 1 for a lost worker)."""
     args = build_parser().parse_args(argv)
     from keras_transformer.corpora import CorpusError, DatasetUnavailableError, MissingPackageError
     from keras_transformer.run_dir import RunDirError
+    from keras_transformer.trainer import WorkerLostError
 
     try:
         return train(args)
     except (SettingsError, RunDirError, DatasetUnavailableError, CorpusError, MissingPackageError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 2
+    except WorkerLostError as error:
+        print(f"train.py: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("train.py: interrupted; run the same command to resume.", file=sys.stderr)
         return 130

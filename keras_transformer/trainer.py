@@ -30,7 +30,9 @@ shuffle buffer (tens of MB per checkpoint on WMT) and which not every pipeline o
 Multi-worker: every worker runs the same loop; only the chief writes checkpoints under
 `RUN/checkpoints`, summaries and logs (the others write their checkpoints to a temporary
 directory, as `tf.distribute` requires all workers to save), and the workers agree on
-stopping early with an all-reduce, so that none waits forever for the others.
+stopping early with an all-reduce, so that none waits forever for the others. A worker
+that dies without warning makes the others' next all-reduce fail: they raise
+`WorkerLostError` and save nothing (the run resumes from its latest checkpoint).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from keras_transformer.run_dir import (
     LOG_DIR,
     RunDirError,
     check_checkpointable,
+    checkpoint_step,
     checkpoints,
     restore_checkpoint,
     validated_steps,
@@ -116,6 +119,10 @@ class TrainingConfig:
 
 class EmptyDatasetError(ValueError):
     """The training dataset of a worker gave no batch at all."""
+
+
+class WorkerLostError(RuntimeError):
+    """Another worker of a multi-worker run stopped without agreeing on a step (killed, crashed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +289,9 @@ class Trainer:
         Raises:
             EmptyDatasetError: When `dataset_fn`'s epoch has no batch.
             RunDirError: When the latest checkpoint cannot be restored.
+            WorkerLostError: When another worker of a multi-worker run died (killed
+                without a SIGTERM, crashed, lost its machine): nothing is saved, the
+                run resumes from its latest checkpoint.
         """
         config = self.config
         start_step = self.restore()
@@ -342,6 +352,13 @@ class Trainer:
                     self._log_rest(step, interval, started, writers["train"])
                     logger.info("Time budget of %g minutes reached at step %d.", config.max_minutes, step)
                     break
+        except (tf.errors.UnavailableError, tf.errors.AbortedError) as error:
+            if distribution.num_workers(self.strategy) == 1:
+                raise
+            # Not saved here: the failed step may have updated some weights (those whose
+            # all-reduce finished before the other worker died) and not others.
+            self._cleanup_worker_checkpoints()
+            raise WorkerLostError(self._worker_lost_message(error)) from None
         except KeyboardInterrupt:
             # Python raises it once the step's TensorFlow call returns, often before `step += 1`
             # ran: that step's metrics are lost, but the model and `self.step` have taken it.
@@ -545,6 +562,32 @@ class Trainer:
         if not self.config.max_minutes:
             return False
         return distribution.any_worker(self.strategy, time.monotonic() - started > self.config.max_minutes * 60)
+
+    def _worker_lost_message(self, error):
+        """What happened, what is lost and how to go on, when an all-reduce failed for want of a worker."""
+        # TensorFlow's message runs to pages (the Python stack of the collective op); the
+        # cause follows "aborted by:", e.g. "... tasks are unhealthy (stopped sending heartbeats):
+        # /job:worker/replica:0/task:1" or "recvmsg:Connection reset by peer", before gRPC's details.
+        text = str(error)
+        cause = text.split("aborted by:", 1)[1] if "aborted by:" in text else text.strip().split("\n", 1)[0]
+        for tail in ("The error could be from a previous operation", "Additional GRPC error information"):
+            cause = cause.split(tail, 1)[0]
+        cause = " ".join(cause.split())[:300] or type(error).__name__
+        # Read from the chief's directory, not from `_saved_step`: a chief killed while saving
+        # leaves its newest checkpoint unwritten although this worker saved its own.
+        found = checkpoints(self._checkpoint_dir)
+        if found:
+            resume = (
+                f"The latest checkpoint holds step {checkpoint_step(found[-1])} ({found[-1]}): start every worker "
+                "again with the same command to resume from there (--checkpoint-every bounds the steps lost)."
+            )
+        else:
+            resume = "No checkpoint was written yet: the same command on every worker trains the run from the start."
+        return (
+            f"Another worker stopped without warning, after step {int(self.step.numpy())} "
+            f"(TensorFlow: {cause}). Synchronous training cannot go on without it, so this worker stops too. "
+            f"{resume}"
+        )
 
     def _cleanup_worker_checkpoints(self):
         if not self.is_chief:

@@ -449,6 +449,38 @@ def test_help_gives_the_presets_defaults_and_the_papers_values():
     assert "[the preset's: tiny 1, small 2, medium 1.5, base 1, big 1] The paper: 1." in help_text
 
 
+def _start_two_workers(run, *flags, env=None):
+    """Two `train.py` workers of a `tiny` Multi30k run on 127.0.0.1 that train until stopped; stderr piped."""
+    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    flags = ["--run-dir", str(run), "--preset", "tiny", "--vocab-size", "1000", "--train-steps", "100000",
+             "--max-minutes", "0", "--log-every", "1", "--eval-every", "0", "--bleu-sentences", "0", *flags]
+    processes = []
+    for index in range(2):
+        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        processes.append(subprocess.Popen(
+            [sys.executable, "train.py", *flags], cwd=ROOT,
+            env={**os.environ, **(env or {}), "TF_CONFIG": json.dumps(tf_config)},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ))
+    return processes
+
+
+def _read_until_step(process, step):
+    """The stderr lines of a training `process` up to its progress line of `step`."""
+    import selectors
+    import time
+
+    lines = []
+    selector = selectors.DefaultSelector()
+    selector.register(process.stderr, selectors.EVENT_READ)
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+    while not any(line.startswith(f"step {step}/") for line in lines) and time.monotonic() < deadline:
+        if selector.select(timeout=5) and (line := process.stderr.readline()):
+            lines.append(line)
+        assert process.poll() is None, "".join(lines)[-3000:]
+    return lines
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("killed", [0, 1], ids=["chief", "other"])
 def test_killing_one_worker_checkpoints_and_stops_all_of_them_at_one_step(tmp_path, multi30k_dir, killed):
@@ -456,31 +488,12 @@ def test_killing_one_worker_checkpoints_and_stops_all_of_them_at_one_step(tmp_pa
 
     Also: the coordination service of MultiWorkerMirroredStrategy installs its own SIGTERM handler.
     """
-    import selectors
     import signal
-    import time
 
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
     run = tmp_path / "run"
-    flags = ["--run-dir", str(run), "--preset", "tiny", "--vocab-size", "1000", "--data-dir", str(multi30k_dir),
-             "--train-steps", "100000", "--max-minutes", "0", "--log-every", "1", "--checkpoint-every", "100000",
-             "--eval-every", "0", "--bleu-sentences", "0"]
-    processes = []
-    for index in range(2):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        processes.append(subprocess.Popen(
-            [sys.executable, "train.py", *flags], cwd=ROOT, env={**os.environ, "TF_CONFIG": json.dumps(tf_config)},
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        ))
-    chief_lines = []
+    processes = _start_two_workers(run, "--data-dir", str(multi30k_dir), "--checkpoint-every", "100000")
     try:
-        selector = selectors.DefaultSelector()
-        selector.register(processes[0].stderr, selectors.EVENT_READ)
-        deadline = time.monotonic() + SUBPROCESS_TIMEOUT
-        while not any(line.startswith("step 3/") for line in chief_lines) and time.monotonic() < deadline:
-            if selector.select(timeout=5) and (line := processes[0].stderr.readline()):
-                chief_lines.append(line)
-            assert processes[0].poll() is None, "".join(chief_lines)[-3000:]
+        chief_lines = _read_until_step(processes[0], 3)
         processes[killed].send_signal(signal.SIGTERM)
         codes = [process.wait(timeout=120) for process in processes]
     finally:
@@ -496,6 +509,41 @@ def test_killing_one_worker_checkpoints_and_stops_all_of_them_at_one_step(tmp_pa
     assert stops[0].group(2).endswith(f"ckpt-{step}")
     assert run_dir.checkpoint_step(tf.train.latest_checkpoint(str(run / "checkpoints"))) == int(step)
     assert not Path(stops[1].group(2)).parent.exists()  # the other worker's temporary checkpoints are gone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [0, 1], ids=["chief", "other"])
+def test_a_worker_killed_outright_stops_the_other_with_an_error_naming_the_checkpoint(tmp_path, multi30k_dir, killed):
+    """SIGKILL (or a crash) leaves no time to agree: the survivor must say so and exit, not hang or dump a traceback."""
+    import signal
+
+    run = tmp_path / "run"
+    temporary = tmp_path / "tmp"  # where the non-chief worker keeps its checkpoints
+    temporary.mkdir()
+    processes = _start_two_workers(run, "--data-dir", str(multi30k_dir), "--checkpoint-every", "2",
+                                   env={"TMPDIR": str(temporary)})
+    survivor = processes[1 - killed]
+    try:
+        lines = _read_until_step(processes[0], 5)
+        processes[killed].send_signal(signal.SIGKILL)
+        code = survivor.wait(timeout=120)
+    finally:
+        for process in processes:
+            process.kill()
+    output = ("".join(lines) if survivor is processes[0] else "") + survivor.stderr.read()
+
+    assert code == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    error = re.search(r"train\.py: error: Another worker stopped without warning, after step (\d+) \(TensorFlow: "
+                      r"(.+)\)\. Synchronous training cannot go on without it, so this worker stops too\. The latest "
+                      r"checkpoint holds step (\d+) \((\S+)\): start every worker again with the same command", output)
+    assert error, output[-3000:]
+    last_step, cause, saved_step, saved_path = int(error.group(1)), error.group(2), int(error.group(3)), error.group(4)
+    assert last_step >= 5 and 2 <= saved_step <= last_step and saved_step % 2 == 0
+    assert "Detected at node" not in cause and len(cause) <= 300
+    assert run_dir.checkpoints(run / "checkpoints")[-1] == saved_path == str(run / "checkpoints" / f"ckpt-{saved_step}")
+    if killed == 0:  # the survivor is the other worker: its temporary checkpoints are gone
+        assert not list(temporary.glob("worker1-checkpoints-*"))
 
 
 def _interrupting_train(*flags):
