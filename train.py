@@ -776,15 +776,23 @@ def main(argv=None):
     """Runs the command line `argv`; returns the exit code (2 for bad flags or data, 1 for a lost worker)."""
     args = build_parser().parse_args(argv)
     from keras_transformer.corpora import CorpusError, DatasetUnavailableError, MissingPackageError
+    from keras_transformer import distribution
     from keras_transformer.run_dir import RunDirError
-    from keras_transformer.trainer import WorkerLostError
 
     try:
         return train(args)
     except (SettingsError, RunDirError, DatasetUnavailableError, CorpusError, MissingPackageError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 2
-    except WorkerLostError as error:
+    except distribution.PEER_FAILURES as error:  # Training itself raises WorkerLostError instead.
+        if distribution.cluster_task_count() < 2:
+            raise
+        lost = distribution.worker_lost_error(
+            error, "while the workers were setting up", "Start every worker again with the same command."
+        )
+        print(f"train.py: error: {lost}", file=sys.stderr)
+        return 1
+    except distribution.WorkerLostError as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

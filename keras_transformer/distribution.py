@@ -226,6 +226,31 @@ def worker_index(strategy):
     return resolver.task_id + (1 if has_chief else 0)
 
 
+class WorkerLostError(RuntimeError):
+    """Another worker of a multi-worker run stopped without warning (killed, crashed, lost its machine)."""
+
+
+# What a collective raises when a worker it waits for is gone: its connection dropped, or
+# the coordination service missed its heartbeats.
+PEER_FAILURES = (tf.errors.UnavailableError, tf.errors.AbortedError)
+
+
+def worker_lost_error(error, when, resume):
+    """A `WorkerLostError` for `error`, one of `PEER_FAILURES`: what happened `when`, and `resume` (how to go on)."""
+    # TensorFlow's message runs to pages (the Python stack of the collective op); the
+    # cause follows "aborted by:", e.g. "... tasks are unhealthy (stopped sending heartbeats):
+    # /job:worker/replica:0/task:1" or "recvmsg:Connection reset by peer", before gRPC's details.
+    text = str(error)
+    cause = text.split("aborted by:", 1)[1] if "aborted by:" in text else text.strip().split("\n", 1)[0]
+    for tail in ("The error could be from a previous operation", "Additional GRPC error information"):
+        cause = cause.split(tail, 1)[0]
+    cause = " ".join(cause.split())[:300] or type(error).__name__
+    return WorkerLostError(
+        f"Another worker stopped without warning, {when} (TensorFlow: {cause}). Synchronous training cannot go "
+        f"on without it, so this worker stops too. {resume}"
+    )
+
+
 def any_worker(strategy, flag):
     """Whether `flag` is true on any worker: a collective, so every worker must call it.
 

@@ -32,7 +32,7 @@ Multi-worker: every worker runs the same loop; only the chief writes checkpoints
 directory, as `tf.distribute` requires all workers to save), and the workers agree on
 stopping early with an all-reduce, so that none waits forever for the others. A worker
 that dies without warning makes the others' next all-reduce fail: they raise
-`WorkerLostError` and save nothing (the run resumes from its latest checkpoint).
+`distribution.WorkerLostError` and save nothing (the run resumes from its latest checkpoint).
 """
 
 from __future__ import annotations
@@ -119,10 +119,6 @@ class TrainingConfig:
 
 class EmptyDatasetError(ValueError):
     """The training dataset of a worker gave no batch at all."""
-
-
-class WorkerLostError(RuntimeError):
-    """Another worker of a multi-worker run stopped without agreeing on a step (killed, crashed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +285,7 @@ class Trainer:
         Raises:
             EmptyDatasetError: When `dataset_fn`'s epoch has no batch.
             RunDirError: When the latest checkpoint cannot be restored.
-            WorkerLostError: When another worker of a multi-worker run died (killed
+            distribution.WorkerLostError: When another worker of a multi-worker run died (killed
                 without a SIGTERM, crashed, lost its machine): nothing is saved, the
                 run resumes from its latest checkpoint.
         """
@@ -352,13 +348,13 @@ class Trainer:
                     self._log_rest(step, interval, started, writers["train"])
                     logger.info("Time budget of %g minutes reached at step %d.", config.max_minutes, step)
                     break
-        except (tf.errors.UnavailableError, tf.errors.AbortedError) as error:
+        except distribution.PEER_FAILURES as error:
             if distribution.num_workers(self.strategy) == 1:
                 raise
             # Not saved here: the failed step may have updated some weights (those whose
             # all-reduce finished before the other worker died) and not others.
             self._cleanup_worker_checkpoints()
-            raise WorkerLostError(self._worker_lost_message(error)) from None
+            raise self._worker_lost(error) from None
         except KeyboardInterrupt:
             # Python raises it once the step's TensorFlow call returns, often before `step += 1`
             # ran: that step's metrics are lost, but the model and `self.step` have taken it.
@@ -563,16 +559,8 @@ class Trainer:
             return False
         return distribution.any_worker(self.strategy, time.monotonic() - started > self.config.max_minutes * 60)
 
-    def _worker_lost_message(self, error):
-        """What happened, what is lost and how to go on, when an all-reduce failed for want of a worker."""
-        # TensorFlow's message runs to pages (the Python stack of the collective op); the
-        # cause follows "aborted by:", e.g. "... tasks are unhealthy (stopped sending heartbeats):
-        # /job:worker/replica:0/task:1" or "recvmsg:Connection reset by peer", before gRPC's details.
-        text = str(error)
-        cause = text.split("aborted by:", 1)[1] if "aborted by:" in text else text.strip().split("\n", 1)[0]
-        for tail in ("The error could be from a previous operation", "Additional GRPC error information"):
-            cause = cause.split(tail, 1)[0]
-        cause = " ".join(cause.split())[:300] or type(error).__name__
+    def _worker_lost(self, error):
+        """The `WorkerLostError` for `error`, naming the checkpoint the run resumes from."""
         # Read from the chief's directory, not from `_saved_step`: a chief killed while saving
         # leaves its newest checkpoint unwritten although this worker saved its own.
         found = checkpoints(self._checkpoint_dir)
@@ -583,11 +571,7 @@ class Trainer:
             )
         else:
             resume = "No checkpoint was written yet: the same command on every worker trains the run from the start."
-        return (
-            f"Another worker stopped without warning, after step {int(self.step.numpy())} "
-            f"(TensorFlow: {cause}). Synchronous training cannot go on without it, so this worker stops too. "
-            f"{resume}"
-        )
+        return distribution.worker_lost_error(error, f"after step {int(self.step.numpy())}", resume)
 
     def _cleanup_worker_checkpoints(self):
         if not self.is_chief:

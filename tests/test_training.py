@@ -465,8 +465,8 @@ def _start_two_workers(run, *flags, env=None):
     return processes
 
 
-def _read_until_step(process, step):
-    """The stderr lines of a training `process` up to its progress line of `step`."""
+def _read_until(process, start):
+    """The stderr lines of a training `process` up to the first one that starts with `start`."""
     import selectors
     import time
 
@@ -474,7 +474,7 @@ def _read_until_step(process, step):
     selector = selectors.DefaultSelector()
     selector.register(process.stderr, selectors.EVENT_READ)
     deadline = time.monotonic() + SUBPROCESS_TIMEOUT
-    while not any(line.startswith(f"step {step}/") for line in lines) and time.monotonic() < deadline:
+    while not any(line.startswith(start) for line in lines) and time.monotonic() < deadline:
         if selector.select(timeout=5) and (line := process.stderr.readline()):
             lines.append(line)
         assert process.poll() is None, "".join(lines)[-3000:]
@@ -493,7 +493,7 @@ def test_killing_one_worker_checkpoints_and_stops_all_of_them_at_one_step(tmp_pa
     run = tmp_path / "run"
     processes = _start_two_workers(run, "--data-dir", str(multi30k_dir), "--checkpoint-every", "100000")
     try:
-        chief_lines = _read_until_step(processes[0], 3)
+        chief_lines = _read_until(processes[0], "step 3/")
         processes[killed].send_signal(signal.SIGTERM)
         codes = [process.wait(timeout=120) for process in processes]
     finally:
@@ -524,7 +524,7 @@ def test_a_worker_killed_outright_stops_the_other_with_an_error_naming_the_check
                                    env={"TMPDIR": str(temporary)})
     survivor = processes[1 - killed]
     try:
-        lines = _read_until_step(processes[0], 5)
+        lines = _read_until(processes[0], "step 5/")
         processes[killed].send_signal(signal.SIGKILL)
         code = survivor.wait(timeout=120)
     finally:
@@ -544,6 +544,28 @@ def test_a_worker_killed_outright_stops_the_other_with_an_error_naming_the_check
     assert run_dir.checkpoints(run / "checkpoints")[-1] == saved_path == str(run / "checkpoints" / f"ckpt-{saved_step}")
     if killed == 0:  # the survivor is the other worker: its temporary checkpoints are gone
         assert not list(temporary.glob("worker1-checkpoints-*"))
+
+
+@pytest.mark.slow
+def test_a_worker_killed_outright_during_set_up_stops_the_other_with_an_error(tmp_path, multi30k_dir):
+    """Killed once the chief learned the vocabulary: the chief fails in a collective of the set-up, not of a step."""
+    import signal
+
+    processes = _start_two_workers(tmp_path / "run", "--data-dir", str(multi30k_dir))
+    try:
+        lines = _read_until(processes[0], "Learned a 1000-token BPE vocabulary")
+        processes[1].send_signal(signal.SIGKILL)
+        code = processes[0].wait(timeout=120)
+    finally:
+        for process in processes:
+            process.kill()
+    output = "".join(lines) + processes[0].stderr.read()
+
+    assert code == 1, output[-3000:]
+    assert "Traceback" not in output and "\nstep 1/" not in output, output[-3000:]
+    assert re.search(r"train\.py: error: Another worker stopped without warning, while the workers were setting up "
+                     r"\(TensorFlow: .+\)\. Synchronous training cannot go on without it, so this worker stops too\. "
+                     r"Start every worker again with the same command\.", output), output[-3000:]
 
 
 def _interrupting_train(*flags):
