@@ -603,6 +603,7 @@ def average_if_better(run, corpus, settings):
         translations = evaluation.translate(
             run_dir_lib.load_model(run, which), tokenizer, sources, beam_size=settings["beam_size"],
             alpha=settings["alpha"], max_length=settings["max_length"],
+            on_batch=translation_progress(f"validation sentences ({which} checkpoint)"),
         )
         scores[which] = evaluation.corpus_bleu(translations, references, corpus.target_lang).score
     logger.info("Validation BLEU (%d sentences): averaged %.2f, latest %.2f.", len(pairs), scores["averaged"],
@@ -635,7 +636,7 @@ def final_evaluation(run, corpus, settings):
                 settings["beam_size"], settings["alpha"])
     translations = evaluation.translate(
         model, tokenizer, sources, beam_size=settings["beam_size"], alpha=settings["alpha"],
-        max_length=settings["max_length"],
+        max_length=settings["max_length"], on_batch=translation_progress("test sentences"),
     )
     bleu = evaluation.corpus_bleu(translations, references, corpus.target_lang)
     output = run / run_dir_lib.TRANSLATIONS_DIR / f"test.{corpus.target_lang}"
@@ -647,6 +648,25 @@ def final_evaluation(run, corpus, settings):
     logger.info("Translations: %s", output)
     for source, reference, translation in list(zip(sources, references, translations))[:3]:
         logger.info("  source:      %s\n  reference:   %s\n  translation: %s", source, reference, translation)
+
+
+def translation_progress(what, every_seconds=30.0):
+    """An `on_batch` callback for `evaluation.translate` that logs progress at most every `every_seconds`.
+
+    A test set takes minutes on a CPU (WMT14's 3003 sentences with `base`, much longer).
+    """
+    from keras_transformer.trainer import format_duration
+
+    started = last = time.monotonic()
+
+    def log(translated, total):
+        nonlocal last
+        now = time.monotonic()
+        if translated < total and now - last >= every_seconds:
+            last = now
+            logger.info("  %d/%d %s translated (%s)", translated, total, what, format_duration(now - started))
+
+    return log
 
 
 def configure_process():

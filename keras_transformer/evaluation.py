@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import sacrebleu
@@ -77,6 +77,7 @@ def translate(
     alpha: float = 0.6,
     batch_size: int = data.DEFAULT_EVAL_BATCH_SIZE,
     max_length: int = data.DEFAULT_MAX_LENGTH,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> list[str]:
     """Translates sentences with beam search (greedy for `beam_size=1`).
 
@@ -91,6 +92,8 @@ def translate(
         alpha: Length penalty (paper: 0.6).
         batch_size: Sentences decoded together.
         max_length: Longest source in tokens; longer ones are truncated.
+        on_batch: Optional `(translated, total)` callback after each batch, for
+            progress output: sentences translated so far, and `len(sources)`.
 
     Returns:
         The translations, detokenized text.
@@ -101,6 +104,8 @@ def translate(
     for source_ids in data.make_translation_dataset(by_length, tokenizer, batch_size=batch_size, max_length=max_length):
         hypotheses = beam_search(model, source_ids, beam_size=beam_size, alpha=alpha)
         outputs.extend(text.decode("utf-8") for text in tokenizer.detokenize(hypotheses.tokens).numpy())
+        if on_batch is not None:
+            on_batch(len(outputs), len(sources))
     translations = [""] * len(sources)
     for position, index in enumerate(order):
         translations[index] = outputs[position]

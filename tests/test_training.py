@@ -311,6 +311,36 @@ def test_the_average_is_kept_only_if_it_translates_the_validation_set_better(tmp
     assert (tmp_path / run_dir.AVERAGED_DIR).exists() == (better == "averaged")
 
 
+def test_translate_reports_each_batch_and_translates_as_without_a_callback(multi30k_tokenizer):
+    from keras_transformer import evaluation
+
+    model = Transformer.from_preset("tiny", vocab_size=multi30k_tokenizer.vocab_size)
+    model.build()
+    sources = ["a man", "two dogs run on the grass .", "a woman in a red coat", "children", "a boy jumps ."]
+    reports = []
+    options = dict(beam_size=2, batch_size=2)
+    translations = evaluation.translate(
+        model, multi30k_tokenizer, sources, on_batch=lambda done, total: reports.append((done, total)), **options
+    )
+    assert reports == [(2, 5), (4, 5), (5, 5)]  # batches of 2 over 5 sentences
+    assert translations == evaluation.translate(model, multi30k_tokenizer, sources, **options)
+
+
+def test_translation_progress_logs_at_most_every_so_many_seconds(monkeypatch, caplog):
+    train = _import_train_script()
+    clock = iter([100.0, 110.0, 131.0, 140.0, 170.0, 250.0])  # creation, then one reading per batch
+    monkeypatch.setattr(train.time, "monotonic", lambda: next(clock))
+    progress = train.translation_progress("test sentences", every_seconds=30)
+    with caplog.at_level("INFO", logger="train"):
+        for translated in (64, 128, 192, 256, 300):
+            progress(translated, 300)
+    # 30 s after the start, 30 s after that line; never for the last batch.
+    assert [record.getMessage() for record in caplog.records] == [
+        "  128/300 test sentences translated (31s)",
+        "  256/300 test sentences translated (1m10s)",
+    ]
+
+
 # --- Bad flags ---------------------------------------------------------------------------
 
 
