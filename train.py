@@ -795,8 +795,8 @@ def train(args):
 def main(argv=None):
     """Runs the command line `argv`; returns the exit code (2 for bad flags or data, 1 for a lost worker)."""
     args = build_parser().parse_args(argv)
-    from keras_transformer.corpora import CorpusError, DatasetUnavailableError, MissingPackageError
     from keras_transformer import distribution
+    from keras_transformer.corpora import CorpusError, DatasetUnavailableError, MissingPackageError
     from keras_transformer.run_dir import RunDirError
 
     try:
