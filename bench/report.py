@@ -375,7 +375,8 @@ def plot_decode(payload, out: Path):
 def serving_section(payload):
     search = "beam search compiled with XLA" if payload.get("xla") else "beam search in graph mode"
     lines = [
-        f"## Serving: {search} (SavedModel, `tf.saved_model.load`, tensorflow + tensorflow_text only)",
+        f"## Serving: {search}, `{payload['saved_model']}` (SavedModel, `tf.saved_model.load`, "
+        "tensorflow + tensorflow_text only)",
         "",
     ]
     lines.append(f"`{payload['command']}` — {payload['date_utc']}; {load_note(payload)}.")
