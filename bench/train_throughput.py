@@ -15,7 +15,8 @@ the device has native bfloat16) x XLA (off/on) x implementation (ours, peer).
 Batches are synthetic with fixed lengths (default: source and target 24 tokens, about the
 longest common Multi30k bucket), every token real. Batch 128 sentences = 3072 source +
 3072 target tokens for every preset but `big` (64): near `train.py`'s 4096-token padded
-budget, and the paper's per-GPU share of its 25k-token batches (8 GPUs). tokens/s =
+budget (the `small` default's is 2048), and the paper's per-GPU share of its 25k-token
+batches (8 GPUs). tokens/s =
 batch * (source_length + target_length) / step time, padding excluded (there is none).
 
 The peer is the same encoder-decoder built from KerasHub's `TransformerEncoder`,
