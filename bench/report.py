@@ -237,25 +237,13 @@ def decode_section(payload):
             "Per step = (T(L) − T(1)) / (L − 1) (decoder steps alone); total/L includes the encoder."
         )
         lengths = sorted({r["length"] for r in per_step if r["length"] > 1})
-        modes = []
-        for r in per_step:
-            if r["mode"] not in modes:
-                modes.append(r["mode"])
-        lines += [
-            "",
-            "| mode | " + " | ".join(f"L={n}: search ms / per-step ms" for n in lengths) + " |",
-            "| --- | " + " | ".join("---:" for _ in lengths) + " |",
-        ]
-        for mode in modes:
-            cells = []
-            for n in lengths:
-                match = [r for r in per_step if r["mode"] == mode and r["length"] == n]
-                if match:
-                    r = match[0]
-                    cells.append(f"{r['search']['median_s'] * 1e3:,.0f} / {r['per_step_marginal_s'] * 1e3:.2f}")
-                else:
-                    cells.append("–")
-            lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+        lines.append("")
+        lines += mode_by_length_table(
+            per_step,
+            lengths,
+            lambda n: f"L={n}: search ms / per-step ms",
+            lambda r: f"{r['search']['median_s'] * 1e3:,.0f} / {r['per_step_marginal_s'] * 1e3:.2f}",
+        )
         lines += memory_bound_lines(payload, per_step, lengths)
     targets = payload.get("targets", {})
     if targets:
@@ -303,17 +291,30 @@ def memory_bound_lines(payload, per_step, lengths):
         "Weights read per second (weights / per-step time) and their share of that peak, "
         "a lower bound (caches and activations are read too):",
         "",
-        "| mode | " + " | ".join(f"L={n}" for n in lengths) + " |",
+    ]
+    return lines + mode_by_length_table(
+        rated,
+        lengths,
+        lambda n: f"L={n}",
+        lambda r: f"{r['weight_read_bytes_per_s'] / 1e9:.1f} GB/s ({r['read_bandwidth_utilisation']:.0%})",
+    )
+
+
+def mode_by_length_table(rows, lengths, header, cell):
+    """A Markdown table of decode results `rows`: a line per mode, a column per output length.
+
+    Modes come in the order they first appear; `header(length)` and `cell(row)` give the
+    text, and "–" fills a length a mode lacks.
+    """
+    lines = [
+        "| mode | " + " | ".join(header(n) for n in lengths) + " |",
         "| --- | " + " | ".join("---:" for _ in lengths) + " |",
     ]
-    for mode in dict.fromkeys(r["mode"] for r in rated):
+    for mode in dict.fromkeys(r["mode"] for r in rows):
         cells = []
         for n in lengths:
-            match = [r for r in rated if r["mode"] == mode and r["length"] == n]
-            cells.append(
-                f"{match[0]['weight_read_bytes_per_s'] / 1e9:.1f} GB/s ({match[0]['read_bandwidth_utilisation']:.0%})"
-                if match else "–"
-            )
+            match = [r for r in rows if r["mode"] == mode and r["length"] == n]
+            cells.append(cell(match[0]) if match else "–")
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return lines
 
