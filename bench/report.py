@@ -375,6 +375,8 @@ def plot_decode(payload, out: Path):
 
 def serving_section(payload):
     search = "beam search compiled with XLA" if payload.get("xla") else "beam search in graph mode"
+    if payload.get("early_stopping", "exact") != "exact":
+        search += f", early stop `{payload['early_stopping']}`"
     lines = [
         f"## Serving: {search}, `{payload['saved_model']}` (SavedModel, `tf.saved_model.load`, "
         "tensorflow + tensorflow_text only)",

@@ -21,6 +21,8 @@ Measured on the Multi30k test sources (English, in file order):
 
 An export made with `--jit-compile` (recorded as `"xla"`) compiles each (batch size,
 source length bucket) once: with one, every timed request is sent once before timing.
+The export's early stop (`--early-stopping`: "exact", or "current_length", which stops
+sooner) is recorded as `"early_stopping"` ("exact" for exports made before the option).
 
 Target: the `small` preset's SavedModel (beam 4) translates one sentence with p50 <= 40 ms.
 
@@ -102,6 +104,12 @@ def compiles_with_xla(version_dir: Path) -> bool:
     )
 
 
+def early_stopping_rule(loaded) -> str:
+    """The loaded export's early stop; exports older than the option searched "exact"."""
+    rule = getattr(loaded, "early_stopping_rule", None)
+    return "exact" if rule is None else rule.numpy().decode()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--saved-model", type=Path, required=True, help="export dir or its <version>/ dir")
@@ -128,6 +136,7 @@ def main():
     start = time.perf_counter()
     loaded = tf.saved_model.load(str(version_dir))
     payload["load_s"] = time.perf_counter() - start
+    payload["early_stopping"] = early_stopping_rule(loaded)
     serve = loaded.signatures["serving_default"]
     input_name = signature_input_name(serve)
     payload["signature"] = {

@@ -5,6 +5,7 @@ import itertools
 import sys
 
 from export.saved_model import ExportError, export_run
+from keras_transformer.decoding import EARLY_STOPPING
 from keras_transformer.run_dir import RunDirError
 from keras_transformer.translator import DEFAULT_MAX_INPUT_LENGTH, MAX_BEAM_SIZE
 
@@ -53,6 +54,14 @@ def parse_args(argv=None):
         "on CPUs).",
     )
     parser.add_argument(
+        "--early-stopping",
+        choices=EARLY_STOPPING,
+        default="exact",
+        help="When the beam search stops: exact (default, the paper's code: once no live "
+        "hypothesis can win at any length it could reach) or current_length (once none wins "
+        "at its next length, a heuristic; fewer steps, not always the exact result).",
+    )
+    parser.add_argument(
         "--check-file", help="Also check the export on this file's sentences (one per line)."
     )
     parser.add_argument("--check-lines", type=int, default=16, help="Lines of --check-file to use.")
@@ -79,6 +88,7 @@ def main(argv=None):
             max_extra_length=args.max_extra_length,
             max_input_length=args.max_input_length,
             jit_compile=args.jit_compile,
+            early_stopping=args.early_stopping,
             # Unset, they are the run's own (see Translator.from_run_dir).
             **{name: getattr(args, name) for name in ("beam_size", "alpha") if getattr(args, name) is not None},
         )

@@ -24,8 +24,17 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
 * Every row of a batch has its own maximum length (its source length + 50), and a
   row's result does not depend on the other rows or on padding. The loop stops when
   every row is done: a row is done when it reached its maximum length, or when no alive
-  beam can beat its `n_best`-th finished hypothesis even with the most favourable
-  length penalty still reachable (Model Garden's early stop, per row).
+  beam can beat its `n_best`-th finished hypothesis (the early stop, per row). A done
+  row's finished hypotheses are frozen while other rows go on.
+* Two early stops (`EARLY_STOPPING`). `"exact"`, the default, is tensor2tensor's and
+  Model Garden's: no alive beam can win even with the most favourable length penalty
+  it could still reach (at the row's maximum length, for `alpha > 0`), so the search
+  returns what it would have returned running to the maximum length.
+  `"current_length"`, a heuristic (as Hugging Face's default stop, which scores alive
+  beams at their current length), scores them as if they finished at the next step:
+  a row stops as soon as its best finished hypothesis beats them there. It skips the
+  steps that only prove the finished one wins, but an alive beam could still have won
+  by growing longer under the penalty.
 * Shapes are fixed inside the loop: sequences live in a `[batch, beam, max_length + 1]`
   buffer and the model's self-attention cache has a fixed size written in place, so
   the cached search runs under `tf.function(jit_compile=True)` (as long as `beam_size`
@@ -52,6 +61,9 @@ from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 # Score of impossible candidates and of empty n-best slots; see the module docstring.
 NEG_INF = -1e9
 _IMPOSSIBLE = NEG_INF / 2
+
+# The early stops `search` offers; see the module docstring.
+EARLY_STOPPING = ("exact", "current_length")
 
 SymbolsToLogitsFn = Callable[[tf.Tensor, tf.Tensor, Any], tuple[tf.Tensor, Any]]
 
@@ -90,6 +102,8 @@ class BeamState(NamedTuple):
         finished_scores: float32 `[batch, K]`, length-penalized, `NEG_INF` if empty.
         finished_lengths: int32 `[batch, K]`, generated tokens, EOS included.
         finished_flags: bool `[batch, K]`, whether the slot holds a hypothesis.
+        rows_done: bool `[batch]`, rows whose search is over: their finished
+            hypotheses no longer change.
     """
 
     step: tf.Tensor
@@ -100,6 +114,7 @@ class BeamState(NamedTuple):
     finished_scores: tf.Tensor
     finished_lengths: tf.Tensor
     finished_flags: tf.Tensor
+    rows_done: tf.Tensor
 
 
 def length_penalty(length, alpha):
@@ -145,6 +160,7 @@ def search(
     never_emit_ids=(),
     cache_lengths=None,
     extend_cache_fn=None,
+    early_stopping="exact",
 ) -> Hypotheses:
     """Beam search with any scoring function (greedy decoding for `beam_size=1`).
 
@@ -183,6 +199,10 @@ def search(
             `extend_cache_fn(cache, length)` grows the (per-beam) cache between them.
             `None`: `initial_cache` is already what every step needs.
         extend_cache_fn: `(cache, length) -> cache`, needed with `cache_lengths`.
+        early_stopping: When a row stops before its maximum length, one of
+            `EARLY_STOPPING`: `"exact"` once no alive beam can win at any length it
+            could reach, `"current_length"` once none wins at the next length (fewer
+            steps, not always the exact result). See the module docstring.
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`, see there.
@@ -195,7 +215,34 @@ def search(
     row_max_lengths = tf.cast(row_max_lengths, tf.int32)
     if isinstance(beam_size, int) and isinstance(n_best, int) and not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be between 1 and beam_size ({beam_size}), got {n_best}.")
+    if early_stopping not in EARLY_STOPPING:
+        raise ValueError(f"early_stopping must be one of {EARLY_STOPPING}, got {early_stopping!r}.")
     num_candidates = _num_candidates(beam_size)
+
+    def rows_done(state: BeamState):
+        """bool `[batch]`: the rows whose search is over (see the module docstring).
+
+        Sticky: under "current_length", the best alive beam can pass the finished one
+        again at a later length.
+        """
+        best_alive = state.alive_log_probs[:, 0]
+        # Alive beams finish at a length in [step + 1, row max]. The penalty is
+        # monotonic in the length, so its most favourable value is at an end.
+        best_penalty = length_penalty(state.step + 1, alpha)
+        if early_stopping == "exact":
+            best_penalty = tf.maximum(best_penalty, length_penalty(row_max_lengths, alpha))
+        worst_kept = state.finished_scores[:, (1 if n_best is None else n_best) - 1]
+        return tf.reduce_any(
+            tf.stack(
+                [
+                    state.rows_done,
+                    state.step >= row_max_lengths,
+                    best_alive <= _IMPOSSIBLE,
+                    worst_kept > best_alive / best_penalty,
+                ]
+            ),
+            axis=0,
+        )
 
     def grow(state: BeamState) -> BeamState:
         logits, cache = symbols_to_logits_fn(
@@ -227,34 +274,17 @@ def search(
         possible = top_log_probs > _IMPOSSIBLE
         complete = tf.logical_or(tf.equal(top_tokens, eos_id), (length >= row_max_lengths)[:, None])
         alive = _select_alive(top_seq, top_log_probs, top_beams, complete, cache, beam_size)
-        new_scores = tf.where(
-            tf.logical_and(complete, possible),
-            top_log_probs / length_penalty(length, alpha),
-            NEG_INF,
-        )
+        # A done row keeps its hypotheses while other rows go on: under
+        # "current_length" an alive beam could still beat them later.
+        done = rows_done(state)
+        newly_finished = tf.logical_and(tf.logical_and(complete, possible), tf.logical_not(done)[:, None])
+        new_scores = tf.where(newly_finished, top_log_probs / length_penalty(length, alpha), NEG_INF)
         finished = _merge_finished(state, top_seq, new_scores, length, beam_size)
-        return BeamState(length, *alive, *finished)
+        return BeamState(length, *alive, *finished, done)
 
     def should_continue(state: BeamState):
-        best_alive = state.alive_log_probs[:, 0]
-        # Alive beams finish at a length in [step + 1, row max]; the penalty is
-        # monotonic in the length, so its most favourable value is at an end.
-        best_penalty = tf.maximum(
-            length_penalty(state.step + 1, alpha), length_penalty(row_max_lengths, alpha)
-        )
-        worst_kept = state.finished_scores[:, (1 if n_best is None else n_best) - 1]
-        row_done = tf.reduce_any(
-            tf.stack(
-                [
-                    state.step >= row_max_lengths,
-                    best_alive <= _IMPOSSIBLE,
-                    worst_kept > best_alive / best_penalty,
-                ]
-            ),
-            axis=0,
-        )
         return tf.logical_and(
-            state.step < max_decode_length, tf.logical_not(tf.reduce_all(row_done))
+            state.step < max_decode_length, tf.logical_not(tf.reduce_all(rows_done(state)))
         )
 
     if cache_lengths and extend_cache_fn is None:
@@ -322,6 +352,7 @@ def _initial_state(initial_ids, initial_cache, max_decode_length, beam_size, pad
         finished_scores=zeros + NEG_INF,
         finished_lengths=tf.zeros([batch_size, beam_size], tf.int32),
         finished_flags=tf.zeros([batch_size, beam_size], tf.bool),
+        rows_done=tf.zeros([batch_size], tf.bool),
     )
 
 
@@ -404,6 +435,7 @@ def beam_search(
     eos_id=EOS_ID,
     jit_compile=False,
     output_kernel=None,
+    early_stopping="exact",
 ) -> Hypotheses:
     """Translates a batch of source ids with a `Transformer` by beam search.
 
@@ -438,6 +470,8 @@ def beam_search(
             `[d_model, vocab_size]`, for the cached search. Without it each search
             transposes the embedding matrix once; a model whose weights no longer
             change (a served one, see `Translator`) can keep the transpose instead.
+        early_stopping: `"exact"` (the paper's code) or `"current_length"` (fewer
+            steps, not always the exact result), see `search`.
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`: with `n_best=None`, `tokens` int32
@@ -460,6 +494,7 @@ def beam_search(
         n_best=n_best,
         use_cache=use_cache,
         eos_id=eos_id,
+        early_stopping=early_stopping,
     )
     if output_kernel is not None:
         _check_output_kernel(model, output_kernel)
@@ -495,6 +530,7 @@ def _search_transformer(
     n_best,
     use_cache,
     eos_id,
+    early_stopping,
     output_kernel=None,
 ):
     source_ids = tf.cast(source_ids, tf.int32)
@@ -561,6 +597,7 @@ def _search_transformer(
         never_emit_ids=(model.pad_id, BOS_ID),
         cache_lengths=cache_lengths,
         extend_cache_fn=extend_cache_fn,
+        early_stopping=early_stopping,
     )
 
 

@@ -71,6 +71,10 @@ class Translator(tf.Module):
         jit_compile: Compile `translate`'s beam search with XLA, sources padded to
             `xla_buckets` lengths (see the module docstring). `translate_with_options`
             stays in graph mode.
+        early_stopping: When both signatures' beam search stops: `"exact"` (the
+            paper's code; the result of a search to the maximum length) or
+            `"current_length"` (fewer steps, not always the exact result); see
+            `keras_transformer.decoding`. Saved with the module as `early_stopping_rule`.
         name: Module name.
 
     Keep a reference to the translator while calling `translate` or
@@ -90,6 +94,7 @@ class Translator(tf.Module):
         max_input_length=DEFAULT_MAX_INPUT_LENGTH,
         vocabulary_file=None,
         jit_compile=False,
+        early_stopping="exact",
         name=None,
     ):
         super().__init__(name=name)
@@ -99,6 +104,10 @@ class Translator(tf.Module):
             raise ValueError(
                 "Translator needs a trained model, whose weights exist; this one is not "
                 "built (load one with run_dir.load_model, or call it on a batch first)."
+            )
+        if early_stopping not in decoding.EARLY_STOPPING:
+            raise ValueError(
+                f"early_stopping must be one of {decoding.EARLY_STOPPING}, got {early_stopping!r}."
             )
         if max_extra_length < 0:
             raise ValueError(f"max_extra_length must be 0 or more, got {max_extra_length}.")
@@ -123,6 +132,10 @@ class Translator(tf.Module):
             None if vocabulary_file is None else tf.saved_model.Asset(str(vocabulary_file))
         )
         self.jit_compile = jit_compile
+        self.early_stopping = early_stopping
+        # Saved with the module, so that a loaded model (and the serving benchmark)
+        # can tell how it searches.
+        self.early_stopping_rule = tf.Variable(early_stopping, trainable=False, name="early_stopping_rule")
         self.xla_buckets = xla_buckets(self.max_input_length)
         # A snapshot of the trained weights, see the module docstring.
         self._output_kernel = tf.Variable(
@@ -237,6 +250,7 @@ class Translator(tf.Module):
             max_length=max_length,
             n_best=beam_size,
             output_kernel=self._output_kernel,
+            early_stopping=self.early_stopping,
         )
         tokens = hypotheses.tokens
         flat_tokens = tf.reshape(tokens, [-1, tf.shape(tokens)[-1]])
@@ -262,6 +276,7 @@ class Translator(tf.Module):
             alpha=self.alpha,
             max_extra_length=self.max_extra_length,
             output_kernel=self._output_kernel,
+            early_stopping=self.early_stopping,
         )
 
     def _source_ids(self, text):

@@ -37,10 +37,14 @@ ALPHAS = [0.0, 0.6, 2.0, -0.5]
 
 def make_tables(seed):
     """Logits `[row, step, prefix hash, token]`."""
+    return make_tables_of(ROW_MAX_LENGTHS, seed)
+
+
+def make_tables_of(row_max_lengths, seed):
+    """Logits `[row, step, prefix hash, token]` for rows of up to `row_max_lengths` steps."""
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(len(ROW_MAX_LENGTHS), MAX_STEPS, HASH_MODULUS, VOCAB))).astype(
-        "float32"
-    )
+    shape = (len(row_max_lengths), max(row_max_lengths), HASH_MODULUS, VOCAB)
+    return rng.normal(size=shape).astype("float32")
 
 
 def next_hash(prefix_hash, token):
@@ -110,6 +114,7 @@ def run_search(
     row_max_lengths=None,
     cache_lengths=None,
     never_emit_ids=(),
+    early_stopping="exact",
 ):
     """`decoding.search` over `tables`; with `cache_lengths`, the history scorer's growing cache."""
     rows = len(tables)
@@ -136,6 +141,7 @@ def run_search(
             row_max_lengths=tf.constant(row_max_lengths, tf.int32),
             n_best=n_best,
             never_emit_ids=never_emit_ids,
+            early_stopping=early_stopping,
             **growth,
         )
 
@@ -185,6 +191,37 @@ def greedy(table, max_length, alpha):
         log_prob += log_probs[token]
         if token == EOS or len(tokens) == max_length:
             return log_prob / penalty(len(tokens), alpha), tokens
+
+
+def reference_beam_search(table, beam_size, alpha, max_length, early_stopping):
+    """One row's beam search in plain Python: `((score, tokens), steps run)` of the best hypothesis.
+
+    The algorithm as `decoding`'s docstring states it: each step keeps the best
+    `2 * beam_size` expansions of the alive beams; those ending in EOS or at `max_length`
+    finish, the best `beam_size` others stay alive. Before each step, the search stops
+    once the best finished score beats the best alive log-prob divided by the length
+    penalty at the next length ("current_length"), or at the most favourable length it
+    could still reach ("exact").
+    """
+    alive = [(0.0, [], 0)]  # (summed log-prob, tokens, prefix hash), best first
+    finished = []  # (score, tokens)
+    step = 0
+    while step < max_length and alive:
+        if finished:
+            reachable = [step + 1] if early_stopping == "current_length" else [step + 1, max_length]
+            if max(finished)[0] > alive[0][0] / max(penalty(n, alpha) for n in reachable):
+                break
+        candidates = []
+        for log_prob, tokens, prefix_hash in alive:
+            prefix_hash = next_hash(prefix_hash, tokens[-1] if tokens else START)
+            log_probs = log_softmax(table[step, prefix_hash])
+            candidates += [(log_prob + log_probs[t], tokens + [t], prefix_hash) for t in range(VOCAB)]
+        candidates = sorted(candidates, key=lambda candidate: -candidate[0])[: 2 * beam_size]
+        step += 1
+        ends = [candidate[1][-1] == EOS or step == max_length for candidate in candidates]
+        finished += [(c[0] / penalty(step, alpha), c[1]) for c, end in zip(candidates, ends) if end]
+        alive = [c for c, end in zip(candidates, ends) if not end][:beam_size]
+    return max(finished), step
 
 
 def as_hypotheses(result, row):
@@ -281,6 +318,52 @@ def test_small_beams_are_not_exact_so_the_exact_test_means_something():
             assert found_score <= best_score + 1e-5  # never better than the optimum
             misses += found_tokens != best_tokens
     assert misses > 0
+
+
+# Rows long enough for the early stops to differ; with these tables their results
+# differ in some rows (checked below).
+LONG_ROW_MAX_LENGTHS = [12, 12, 12, 8, 5]
+EARLY_STOP_SEED = 23
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_each_early_stop_gives_the_steps_and_result_of_a_plain_python_beam_search(alpha):
+    tables = make_tables_of(LONG_ROW_MAX_LENGTHS, seed=EARLY_STOP_SEED)
+    for early_stopping in decoding.EARLY_STOPPING:
+        batch = run_search(
+            tables, 2, alpha, row_max_lengths=LONG_ROW_MAX_LENGTHS, early_stopping=early_stopping
+        )
+        for row, max_length in enumerate(LONG_ROW_MAX_LENGTHS):
+            (score, tokens), steps = reference_beam_search(tables[row], 2, alpha, max_length, early_stopping)
+            found_steps = tf.Variable(0)
+            alone = run_search(
+                tables[row : row + 1], 2, alpha, counter=found_steps,
+                row_max_lengths=[max_length], early_stopping=early_stopping,
+            )
+            assert int(found_steps.numpy()) == steps, (early_stopping, row)
+            # A row stopped early keeps its result while the batch's other rows go on.
+            for result, index in ((alone, 0), (batch, row)):
+                assert list(result.tokens[index, : result.lengths[index]]) == tokens, (early_stopping, row)
+                np.testing.assert_allclose(result.scores[index], score, rtol=1e-5, atol=1e-5)
+
+
+def test_the_current_length_stop_takes_fewer_steps_and_is_not_always_exact():
+    # So that the test above compares two different rules.
+    tables = make_tables_of(LONG_ROW_MAX_LENGTHS, seed=EARLY_STOP_SEED)
+    fewer_steps = other_results = 0
+    for alpha in ALPHAS:
+        for row, max_length in enumerate(LONG_ROW_MAX_LENGTHS):
+            exact, exact_steps = reference_beam_search(tables[row], 2, alpha, max_length, "exact")
+            current, current_steps = reference_beam_search(tables[row], 2, alpha, max_length, "current_length")
+            assert current_steps <= exact_steps
+            fewer_steps += current_steps < exact_steps
+            other_results += current[1] != exact[1]
+    assert fewer_steps > 0 and other_results > 0
+
+
+def test_an_unknown_early_stop_is_rejected():
+    with pytest.raises(ValueError, match="early_stopping must be one of"):
+        run_search(make_tables(0), 2, 0.6, early_stopping="never")
 
 
 @pytest.mark.parametrize("alpha", ALPHAS)

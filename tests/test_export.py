@@ -24,7 +24,7 @@ import tensorflow as tf
 import tensorflow_text  # noqa: F401
 
 from export import client, saved_model
-from keras_transformer import run_dir
+from keras_transformer import decoding, run_dir
 from keras_transformer.translator import Translator
 
 pytestmark = pytest.mark.slow
@@ -166,8 +166,6 @@ def test_the_translator_translates_like_beam_search_with_the_models_own_weights(
     translator, sentences
 ):
     """The translator's own copy of the output kernel changes the speed, not the results."""
-    from keras_transformer import decoding
-
     source_ids, _ = translator._source_ids(tf.constant(sentences))
     best = decoding.beam_search(translator.model, source_ids)
     expected = translator.tokenizer.detokenize(best.tokens).numpy()
@@ -342,11 +340,40 @@ def test_a_beam_over_the_limit_is_refused_and_other_options_out_of_range_are_uns
 
 @pytest.fixture(scope="module")
 def served_beam_2(tiny_translation_run, tmp_path_factory):
-    """`(version directory, signatures)` of an export with beam 2 and alpha 1.0 for serving_default."""
+    """`(version directory, module, signatures)` of an export by `python -m export` with beam 2,
+    alpha 1.0 and the "current_length" early stop."""
+    from export.__main__ import main
+
     base = tmp_path_factory.mktemp("models") / MODEL_NAME
-    version_dir = saved_model.export_run(tiny_translation_run, base, log=lambda line: None, beam_size=2, alpha=1.0)
+    flags = ["--beam-size", "2", "--alpha", "1.0", "--early-stopping", "current_length"]
+    assert main(["--run-dir", str(tiny_translation_run), "--out", str(base), *flags]) == 0
+    version_dir = base / "1"
     module = tf.saved_model.load(str(version_dir))
     return version_dir, module, module.signatures
+
+
+def test_the_exports_early_stop_is_saved_and_searches_both_signatures(
+    served_beam_2, tiny_translation_run, sentences, monkeypatch
+):
+    _, module, signatures = served_beam_2
+    assert module.early_stopping_rule.numpy() == b"current_length"
+    # The export checked itself against this in-process translator, which passes its
+    # early stop to the search of both signatures.
+    rules = []
+    search = decoding.search
+    monkeypatch.setattr(decoding, "search", lambda *a, **k: rules.append(k["early_stopping"]) or search(*a, **k))
+    translator = Translator.from_run_dir(tiny_translation_run, beam_size=2, alpha=1.0, early_stopping="current_length")
+    expected = translate(translator.translate, sentences[:6])
+    translate(translator.translate_with_options, sentences[:1], beam_size=0, alpha=-1.0, max_length=0)
+    assert rules == ["current_length", "current_length"]
+    assert list(translate(signatures["serving_default"], sentences[:6])["translation"]) == list(
+        expected["translation"]
+    )
+
+
+def test_an_unknown_early_stop_is_refused(tiny_translation_run):
+    with pytest.raises(ValueError, match="early_stopping must be one of"):
+        Translator.from_run_dir(tiny_translation_run, early_stopping="never")
 
 
 def test_unset_options_are_the_exports_own_beam_size_and_length_penalty(served_beam_2, sentences, capsys):
@@ -625,8 +652,6 @@ def test_the_example_models_config_is_a_valid_model_server_config():
 
 def test_a_run_translates_with_its_own_beam_size_and_length_penalty(tiny_translation_run, tmp_path):
     import shutil
-
-    from keras_transformer import run_dir
 
     run = tmp_path / "run"
     shutil.copytree(tiny_translation_run, run)
