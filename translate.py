@@ -62,6 +62,11 @@ def parse_args(argv=None):
         "--n-best", action="store_true", help="Print all beam_size hypotheses per sentence."
     )
     parser.add_argument(
+        "--early-stopping",
+        help="With --run-dir: when the beam search stops, exact (default) or current_length "
+        "(sooner, not always the exact result); an export searches as it was exported.",
+    )
+    parser.add_argument(
         "--jit-compile",
         action="store_true",
         help="With --run-dir: compile the beam search with XLA (faster per sentence; each "
@@ -83,6 +88,8 @@ def parse_args(argv=None):
         parser.error("--max-length must be at least 1.")
     if args.jit_compile and (args.saved_model or args.n_best or args.max_length is not None):
         parser.error("--jit-compile goes with --run-dir, without --n-best and --max-length.")
+    if args.early_stopping is not None and args.saved_model:
+        parser.error("--early-stopping goes with --run-dir; an export searches as it was exported.")
     if args.checkpoint is not None and args.saved_model:
         parser.error("--checkpoint goes with --run-dir; a SavedModel holds one set of weights.")
     return args
@@ -107,13 +114,13 @@ def load_translator(args):
     from keras_transformer.translator import Translator
 
     # Unset, the beam size and length penalty are the run's own (see Translator.from_run_dir).
-    given = {"beam_size": args.beam_size, "alpha": args.alpha}
+    given = {"beam_size": args.beam_size, "alpha": args.alpha, "early_stopping": args.early_stopping}
     options = {name: value for name, value in given.items() if value is not None}
     try:
         module = Translator.from_run_dir(
             args.run_dir, args.checkpoint or "best", jit_compile=args.jit_compile, **options
         )
-    except (RunDirError, ValueError) as error:  # ValueError: a --beam-size over the translator's limit.
+    except (RunDirError, ValueError) as error:  # ValueError: a --beam-size or --early-stopping it refuses.
         raise LoadError(error) from None
     return module, module.signatures()
 

@@ -105,6 +105,19 @@ def test_translate_with_a_beam_over_the_translators_limit(run, multi30k_tokenize
     _assert_translate_error(exit_code, capsys.readouterr().err, "beam_size must be between 1 and 16, got 17")
 
 
+def test_translate_with_an_unknown_early_stop(run, multi30k_tokenizer, capsys):
+    multi30k_tokenizer.save(run_dir.tokenizer_path(run))
+    exit_code = load_translate_cli().main(["--run-dir", str(run), "--early-stopping", "never", "A dog."])
+    _assert_translate_error(exit_code, capsys.readouterr().err, "early_stopping must be one of", "'never'")
+
+
+def test_translate_refuses_an_early_stop_for_a_saved_model(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_translate_cli().parse_args(["--saved-model", "m", "--early-stopping", "exact", "A dog."])
+    assert exit_info.value.code == 2
+    assert "--early-stopping goes with --run-dir" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

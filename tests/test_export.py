@@ -353,7 +353,7 @@ def served_beam_2(tiny_translation_run, tmp_path_factory):
 
 
 def test_the_exports_early_stop_is_saved_and_searches_both_signatures(
-    served_beam_2, tiny_translation_run, sentences, monkeypatch
+    served_beam_2, tiny_translation_run, sentences, monkeypatch, capsys
 ):
     _, module, signatures = served_beam_2
     assert module.early_stopping_rule.numpy() == b"current_length"
@@ -366,9 +366,15 @@ def test_the_exports_early_stop_is_saved_and_searches_both_signatures(
     expected = translate(translator.translate, sentences[:6])
     translate(translator.translate_with_options, sentences[:1], beam_size=0, alpha=-1.0, max_length=0)
     assert rules == ["current_length", "current_length"]
-    assert list(translate(signatures["serving_default"], sentences[:6])["translation"]) == list(
-        expected["translation"]
-    )
+    expected = [text.decode() for text in expected["translation"]]
+    served = translate(signatures["serving_default"], sentences[:6])
+    assert [text.decode() for text in served["translation"]] == expected
+    # translate.py --run-dir takes the same option.
+    flags = ["--beam-size", "2", "--alpha", "1.0", "--early-stopping", "current_length"]
+    capsys.readouterr()
+    assert load_translate_cli().main(["--run-dir", str(tiny_translation_run), *flags, *sentences[:6]]) == 0
+    assert capsys.readouterr().out.splitlines() == expected
+    assert len(rules) > 2 and set(rules) == {"current_length"}
 
 
 def test_an_unknown_early_stop_is_refused(tiny_translation_run):
