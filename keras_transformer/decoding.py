@@ -215,12 +215,11 @@ def search(
     row_max_lengths = tf.cast(row_max_lengths, tf.int32)
     if isinstance(beam_size, int) and isinstance(n_best, int) and not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be between 1 and beam_size ({beam_size}), got {n_best}.")
-    if early_stopping not in EARLY_STOPPING:
-        raise ValueError(f"early_stopping must be one of {EARLY_STOPPING}, got {early_stopping!r}.")
+    check_early_stopping(early_stopping)
     num_candidates = _num_candidates(beam_size)
 
-    def rows_done(state: BeamState):
-        """bool `[batch]`: the rows whose search is over (see the module docstring).
+    def with_rows_done(state: BeamState) -> BeamState:
+        """`state` with the rows whose search is over marked (see the module docstring).
 
         Sticky: under "current_length", the best alive beam can pass the finished one
         again at a later length.
@@ -232,7 +231,7 @@ def search(
         if early_stopping == "exact":
             best_penalty = tf.maximum(best_penalty, length_penalty(row_max_lengths, alpha))
         worst_kept = state.finished_scores[:, (1 if n_best is None else n_best) - 1]
-        return tf.reduce_any(
+        rows_done = tf.reduce_any(
             tf.stack(
                 [
                     state.rows_done,
@@ -243,6 +242,7 @@ def search(
             ),
             axis=0,
         )
+        return state._replace(rows_done=rows_done)
 
     def grow(state: BeamState) -> BeamState:
         logits, cache = symbols_to_logits_fn(
@@ -276,21 +276,21 @@ def search(
         alive = _select_alive(top_seq, top_log_probs, top_beams, complete, cache, beam_size)
         # A done row keeps its hypotheses while other rows go on: under
         # "current_length" an alive beam could still beat them later.
-        done = rows_done(state)
-        newly_finished = tf.logical_and(tf.logical_and(complete, possible), tf.logical_not(done)[:, None])
+        open_rows = tf.logical_not(state.rows_done)[:, None]
+        newly_finished = tf.logical_and(tf.logical_and(complete, possible), open_rows)
         new_scores = tf.where(newly_finished, top_log_probs / length_penalty(length, alpha), NEG_INF)
         finished = _merge_finished(state, top_seq, new_scores, length, beam_size)
-        return BeamState(length, *alive, *finished, done)
+        return with_rows_done(BeamState(length, *alive, *finished, state.rows_done))
 
     def should_continue(state: BeamState):
         return tf.logical_and(
-            state.step < max_decode_length, tf.logical_not(tf.reduce_all(rows_done(state)))
+            state.step < max_decode_length, tf.logical_not(tf.reduce_all(state.rows_done))
         )
 
     if cache_lengths and extend_cache_fn is None:
         raise ValueError("cache_lengths needs an extend_cache_fn to grow the cache.")
     segment_ends = [*(cache_lengths or []), max_decode_length]
-    state = _initial_state(initial_ids, initial_cache, max_decode_length, beam_size, pad_id)
+    state = with_rows_done(_initial_state(initial_ids, initial_cache, max_decode_length, beam_size, pad_id))
     for segment, end in enumerate(segment_ends):
         if segment:
             state = state._replace(alive_cache=extend_cache_fn(state.alive_cache, end))
@@ -302,6 +302,12 @@ def search(
             shape_invariants=(tf.nest.map_structure(_any_batch_size, state),),
         )
     return _hypotheses(state, n_best, pad_id)
+
+
+def check_early_stopping(early_stopping):
+    """Raises a ValueError unless `early_stopping` is one of `EARLY_STOPPING`."""
+    if early_stopping not in EARLY_STOPPING:
+        raise ValueError(f"early_stopping must be one of {EARLY_STOPPING}, got {early_stopping!r}.")
 
 
 def doubling_cache_lengths(max_decode_length, first=16, doublings=2):

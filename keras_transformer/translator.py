@@ -105,10 +105,7 @@ class Translator(tf.Module):
                 "Translator needs a trained model, whose weights exist; this one is not "
                 "built (load one with run_dir.load_model, or call it on a batch first)."
             )
-        if early_stopping not in decoding.EARLY_STOPPING:
-            raise ValueError(
-                f"early_stopping must be one of {decoding.EARLY_STOPPING}, got {early_stopping!r}."
-            )
+        decoding.check_early_stopping(early_stopping)
         if max_extra_length < 0:
             raise ValueError(f"max_extra_length must be 0 or more, got {max_extra_length}.")
         if max_input_length < 2:
