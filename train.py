@@ -25,6 +25,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import argparse  # noqa: E402
+import faulthandler  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import signal  # noqa: E402
@@ -242,6 +243,9 @@ def build_parser():
                      help="Comma-separated devices to replicate over, e.g. GPU:0,GPU:1 (CPU:0,CPU:1 "
                           "splits the CPU, for testing). [all local GPUs, else the CPU; with a "
                           "multi-worker TF_CONFIG, MultiWorkerMirroredStrategy]")
+    how.add_argument("--connect-timeout-minutes", type=positive_float, default=15.0,
+                     help="Multi-worker: how long a worker waits for every worker of TF_CONFIG to "
+                          "start; then it exits with status 1. [15]")
 
     run = parser.add_argument_group("run directory, logging and evaluation")
     run.add_argument("--run-dir", default=None, help="Where the run lives. [runs/DATASET-PRESET]")
@@ -691,6 +695,26 @@ def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _make_strategy(distribution, devices, connect_timeout_minutes):
+    """The strategy; with a multi-worker TF_CONFIG, waiting at most `connect_timeout_minutes` for the others."""
+    workers = distribution.cluster_task_count()
+    if workers < 2:
+        return distribution.make_strategy(devices)
+    logger.info("Waiting for all %d workers of TF_CONFIG to start; after %g minutes (--connect-timeout-minutes) "
+                "this worker gives up with exit status 1 ...", workers, connect_timeout_minutes)
+    # MultiWorkerMirroredStrategy() waits for the others in TensorFlow's C++ code, silently (a lone
+    # worker still waited after 10 minutes), holding the GIL, its coordination service taking
+    # SIGTERM: no Python thread, signal handler or exception gets through. faulthandler's timer is
+    # a C thread: it prints where this worker waited (the "Timeout" traceback) and ends the process.
+    faulthandler.dump_traceback_later(connect_timeout_minutes * 60, exit=True)
+    try:
+        strategy = distribution.make_strategy(devices)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    logger.info("All %d workers of TF_CONFIG connected.", workers)
+    return strategy
+
+
 def train(args):
     """Checks the settings, then trains and evaluates; returns the exit code."""
     settings, run, saved_config = resolve_settings(args)
@@ -704,7 +728,7 @@ def train(args):
     if devices == []:
         raise SettingsError(f"--devices {args.devices!r} names no device; leave it out for the default.")
     try:
-        strategy = distribution.make_strategy(devices)
+        strategy = _make_strategy(distribution, devices, args.connect_timeout_minutes)
     except ValueError as error:
         raise SettingsError(f"--devices {args.devices}: {error}" if devices else str(error)) from None
     # A multi-worker strategy starts TensorFlow's coordination service, whose own SIGTERM

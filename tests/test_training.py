@@ -598,6 +598,41 @@ def test_a_worker_killed_outright_during_set_up_stops_the_other_with_an_error(tm
                      r"Start every worker again with the same command\.", output), output[-3000:]
 
 
+@pytest.mark.slow
+def test_a_worker_whose_peers_never_start_gives_up_after_the_connect_timeout(tmp_path, multi30k_dir):
+    """MultiWorkerMirroredStrategy() waits for every task in C++, holding the GIL: only faulthandler's timer ends it."""
+    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": 0}}
+    run = tmp_path / "run"
+    result = _run(
+        [sys.executable, "train.py", "--run-dir", str(run), "--preset", "tiny", "--data-dir", str(multi30k_dir),
+         "--connect-timeout-minutes", "0.1"],
+        env={"TF_CONFIG": json.dumps(tf_config)}, timeout=120,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert ("Waiting for all 2 workers of TF_CONFIG to start; after 0.1 minutes (--connect-timeout-minutes) "
+            "this worker gives up with exit status 1") in result.stderr
+    # faulthandler says where the worker waited.
+    assert re.search(r"Timeout \(0:00:06\)!\n.*in make_strategy", result.stderr, re.DOTALL), result.stderr[-3000:]
+    assert not (run / run_dir.CHECKPOINT_DIR).exists()
+
+
+@pytest.mark.slow
+def test_workers_that_connect_in_time_train_past_the_connect_timeout(tmp_path, multi30k_dir):
+    """The timer that ends a worker whose peers never start is cancelled once they have all connected."""
+    processes = _start_two_workers(
+        tmp_path / "run", "--data-dir", str(multi30k_dir), "--connect-timeout-minutes", "0.05"
+    )
+    try:
+        connected = _read_until(processes[0], "All 2 workers of TF_CONFIG connected.")
+        # 3 s after connecting, a timer left running would have ended the process (which _read_until asserts).
+        lines = _read_until(processes[0], "step 1/")
+    finally:
+        for process in processes:
+            process.kill()
+    assert any(line.startswith("step 1/") for line in lines), "".join(connected + lines)[-3000:]
+
+
 def _interrupting_train(*flags):
     """`python -c` code: train.py with `flags`, interrupted (Ctrl-C) as its Trainer is created."""
     return [
