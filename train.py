@@ -695,8 +695,10 @@ def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _make_strategy(distribution, devices, connect_timeout_minutes):
+def _make_strategy(devices, connect_timeout_minutes):
     """The strategy; with a multi-worker TF_CONFIG, waiting at most `connect_timeout_minutes` for the others."""
+    from keras_transformer import distribution
+
     workers = distribution.cluster_task_count()
     if workers < 2:
         return distribution.make_strategy(devices)
@@ -728,7 +730,7 @@ def train(args):
     if devices == []:
         raise SettingsError(f"--devices {args.devices!r} names no device; leave it out for the default.")
     try:
-        strategy = _make_strategy(distribution, devices, args.connect_timeout_minutes)
+        strategy = _make_strategy(devices, args.connect_timeout_minutes)
     except ValueError as error:
         raise SettingsError(f"--devices {args.devices}: {error}" if devices else str(error)) from None
     # A multi-worker strategy starts TensorFlow's coordination service, whose own SIGTERM

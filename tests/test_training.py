@@ -625,7 +625,7 @@ def test_workers_that_connect_in_time_train_past_the_connect_timeout(tmp_path, m
     )
     try:
         connected = _read_until(processes[0], "All 2 workers of TF_CONFIG connected.")
-        # 3 s after connecting, a timer left running would have ended the process (which _read_until asserts).
+        # 3 s after the wait began, a timer left running would have ended the process (_read_until asserts).
         lines = _read_until(processes[0], "step 1/")
     finally:
         for process in processes:
