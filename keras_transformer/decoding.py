@@ -34,7 +34,9 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
   beams at their current length), scores them as if they finished at the next step:
   a row stops as soon as its best finished hypothesis beats them there. It skips the
   steps that only prove the finished one wins, but an alive beam could still have won
-  by growing longer under the penalty.
+  by growing longer under the penalty. It looks at the best finished hypothesis alone,
+  whatever `n_best`, so the best result does not depend on how many are asked for;
+  the other `n_best` slots hold what had finished by then (possibly none).
 * Shapes are fixed inside the loop: sequences live in a `[batch, beam, max_length + 1]`
   buffer and the model's self-attention cache has a fixed size written in place, so
   the cached search runs under `tf.function(jit_compile=True)` (as long as `beam_size`
@@ -201,8 +203,9 @@ def search(
         extend_cache_fn: `(cache, length) -> cache`, needed with `cache_lengths`.
         early_stopping: When a row stops before its maximum length, one of
             `EARLY_STOPPING`: `"exact"` once no alive beam can win at any length it
-            could reach, `"current_length"` once none wins at the next length (fewer
-            steps, not always the exact result). See the module docstring.
+            could reach, `"current_length"` once none beats the best finished
+            hypothesis at the next length (fewer steps, not always the exact result;
+            an n-best list may have empty slots). See the module docstring.
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`, see there.
@@ -230,7 +233,12 @@ def search(
         best_penalty = length_penalty(state.step + 1, alpha)
         if early_stopping == "exact":
             best_penalty = tf.maximum(best_penalty, length_penalty(row_max_lengths, alpha))
-        worst_kept = state.finished_scores[:, (1 if n_best is None else n_best) - 1]
+        # "exact" waits until the n_best-th finished hypothesis is settled (the whole
+        # n-best list is exact). "current_length" stops on the best one, whatever
+        # n_best: waiting for more would let alive beams pass the best one, so asking
+        # for an n-best list would change the best translation.
+        settled_rank = 1 if n_best is None or early_stopping == "current_length" else n_best
+        worst_kept = state.finished_scores[:, settled_rank - 1]
         rows_done = tf.reduce_any(
             tf.stack(
                 [

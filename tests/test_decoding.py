@@ -347,6 +347,23 @@ def test_each_early_stop_gives_the_steps_and_result_of_a_plain_python_beam_searc
                 np.testing.assert_allclose(result.scores[index], score, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_the_current_length_stop_gives_the_same_best_and_steps_for_an_n_best_list(alpha):
+    """Asking for 2 hypotheses must not change the best one (an export's two signatures)."""
+    tables = make_tables_of(LONG_ROW_MAX_LENGTHS, seed=EARLY_STOP_SEED)
+    for row, max_length in enumerate(LONG_ROW_MAX_LENGTHS):
+        (score, tokens), steps = reference_beam_search(tables[row], 2, alpha, max_length, "current_length")
+        found_steps = tf.Variable(0)
+        result = run_search(
+            tables[row : row + 1], 2, alpha, n_best=2, counter=found_steps,
+            row_max_lengths=[max_length], early_stopping="current_length",
+        )
+        assert int(found_steps.numpy()) == steps, row
+        best_score, best_tokens = as_hypotheses(result, 0)[0]
+        assert best_tokens == tokens, row
+        np.testing.assert_allclose(best_score, score, rtol=1e-5, atol=1e-5)
+
+
 def test_the_current_length_stop_takes_fewer_steps_and_is_not_always_exact():
     # So that the test above compares two different rules.
     tables = make_tables_of(LONG_ROW_MAX_LENGTHS, seed=EARLY_STOP_SEED)
