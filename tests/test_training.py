@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -498,7 +499,6 @@ def _start_two_workers(run, *flags, env=None):
 def _read_until(process, start):
     """The stderr lines of a training `process` up to the first one that starts with `start`."""
     import selectors
-    import time
 
     lines = []
     selector = selectors.DefaultSelector()
@@ -620,8 +620,6 @@ def test_a_worker_whose_peers_never_start_gives_up_after_the_connect_timeout(tmp
 @pytest.mark.slow
 def test_workers_that_connect_in_time_train_past_the_connect_timeout(tmp_path, multi30k_dir):
     """The timer that ends a worker whose peers never start is cancelled once they have all connected."""
-    import time
-
     timeout_s = 15  # long enough for the second worker to start on a busy machine
     processes = _start_two_workers(
         tmp_path / "run", "--data-dir", str(multi30k_dir), "--connect-timeout-minutes", str(timeout_s / 60)
