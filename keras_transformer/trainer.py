@@ -354,7 +354,8 @@ class Trainer:
             # Not saved here: the failed step may have updated some weights (those whose
             # all-reduce finished before the other worker died) and not others.
             self._cleanup_worker_checkpoints()
-            raise self._worker_lost(error) from None
+            # `step`, not `self.step`: the failed step may have run its `assign_add` already.
+            raise self._worker_lost(error, step) from None
         except KeyboardInterrupt:
             # Python raises it once the step's TensorFlow call returns, often before `step += 1`
             # ran: that step's metrics are lost, but the model and `self.step` have taken it.
@@ -559,8 +560,8 @@ class Trainer:
             return False
         return distribution.any_worker(self.strategy, time.monotonic() - started > self.config.max_minutes * 60)
 
-    def _worker_lost(self, error):
-        """The `WorkerLostError` for `error`, naming the checkpoint the run resumes from."""
+    def _worker_lost(self, error, completed_steps):
+        """The `WorkerLostError` for `error`, after `completed_steps`, naming the checkpoint the run resumes from."""
         # Read from the chief's directory, not from `_saved_step`: a chief killed while saving
         # leaves its newest checkpoint unwritten although this worker saved its own.
         found = checkpoints(self._checkpoint_dir)
@@ -571,7 +572,8 @@ class Trainer:
             )
         else:
             resume = "No checkpoint was written yet: the same command on every worker trains the run from the start."
-        return distribution.worker_lost_error(error, f"after step {int(self.step.numpy())}", resume)
+        when = f"after step {completed_steps}" if completed_steps else "in the first step"
+        return distribution.worker_lost_error(error, when, resume)
 
     def _cleanup_worker_checkpoints(self):
         if not self.is_chief:

@@ -570,6 +570,8 @@ def test_a_worker_killed_outright_stops_the_other_with_an_error_naming_the_check
     assert error, output[-3000:]
     last_step, cause, saved_step, saved_path = int(error.group(1)), error.group(2), int(error.group(3)), error.group(4)
     assert last_step >= 5 and 2 <= saved_step <= last_step and saved_step % 2 == 0
+    if killed == 1:  # the chief survived and logged every step it finished: the error names the last of them
+        assert last_step == int(re.findall(r"^step (\d+)/", output, re.MULTILINE)[-1]), output[-3000:]
     assert "Detected at node" not in cause and len(cause) <= 300
     assert run_dir.checkpoints(run / "checkpoints")[-1] == saved_path == str(run / "checkpoints" / f"ckpt-{saved_step}")
     if killed == 0:  # the survivor is the other worker: its temporary checkpoints are gone
@@ -578,21 +580,32 @@ def test_a_worker_killed_outright_stops_the_other_with_an_error_naming_the_check
 
 @pytest.mark.slow
 def test_a_worker_killed_outright_during_set_up_stops_the_other_with_an_error(tmp_path, multi30k_dir):
-    """Killed once the chief learned the vocabulary: the chief fails in a collective of the set-up, not of a step."""
+    """Killed before the chief learned the vocabulary: the chief fails in a collective of the set-up, not of a step.
+
+    The other worker waits for the chief's vocabulary in a barrier. Killed once the chief logged
+    it, it may already have passed the barrier with the chief, which then fails in a step. So the
+    chief is frozen (SIGSTOP) as soon as both are connected, seconds before it has learned the
+    vocabulary; the other worker is killed; and the chief, let go, meets the barrier alone.
+    """
     import signal
 
     processes = _start_two_workers(tmp_path / "run", "--data-dir", str(multi30k_dir))
+    chief, other = processes
     try:
-        lines = _read_until(processes[0], "Learned a 1000-token BPE vocabulary")
-        processes[1].send_signal(signal.SIGKILL)
-        code = processes[0].wait(timeout=120)
+        lines = _read_until(chief, "All 2 workers of TF_CONFIG connected")
+        chief.send_signal(signal.SIGSTOP)
+        other.send_signal(signal.SIGKILL)
+        other.wait(timeout=30)
+        chief.send_signal(signal.SIGCONT)
+        code = chief.wait(timeout=120)
     finally:
         for process in processes:
             process.kill()
-    output = "".join(lines) + processes[0].stderr.read()
+    output = "".join(lines) + chief.stderr.read()
 
     assert code == 1, output[-3000:]
     assert "Traceback" not in output and "\nstep 1/" not in output, output[-3000:]
+    assert re.search(r"^Learned a 1000-token BPE vocabulary", output, re.MULTILINE), output[-3000:]
     assert re.search(r"train\.py: error: Another worker stopped without warning, while the workers were setting up "
                      r"\(TensorFlow: .+\)\. Synchronous training cannot go on without it, so this worker stops too\. "
                      r"Start every worker again with the same command\.", output), output[-3000:]
@@ -893,6 +906,30 @@ def test_a_finished_run_extended_by_epochs_checks_its_replicas(existing_run, mul
                    "--epochs", "1"])
     _assert_one_line_error(result.returncode, result.stderr, "trained on 2 replica(s) up to step 100")
     assert _snapshot(existing_run) == before
+
+
+def test_a_worker_lost_in_a_step_names_the_steps_finished_before_it(tmp_path, monkeypatch):
+    """A collective failing late in step 3 (its `assign_add` already run) is "after step 2", not after step 3."""
+    trainer = _tiny_trainer(tmp_path / "run", train_steps=6)
+    real_train_step = trainer._train_step
+
+    def failing_in_step_3(with_grad_norm):
+        def step(iterator):
+            metrics = real_train_step(with_grad_norm)(iterator)
+            if int(trainer.step.numpy()) == 3:
+                raise tf.errors.UnavailableError(None, None, "Collective ops is aborted by: task 1 is unhealthy")
+            return metrics
+
+        return step
+
+    monkeypatch.setattr(trainer, "_train_step", failing_in_step_3)
+    monkeypatch.setattr(distribution, "num_workers", lambda strategy: 2)
+    with pytest.raises(distribution.WorkerLostError) as raised:
+        trainer.fit(_synthetic_pairs_dataset)
+    assert int(trainer.step.numpy()) == 3
+    message = str(raised.value)
+    assert message.startswith("Another worker stopped without warning, after step 2 (TensorFlow: task 1 is unhealthy)")
+    assert f"The latest checkpoint holds step 2 ({tmp_path / 'run' / 'checkpoints' / 'ckpt-2'})" in message
 
 
 def test_progress_lines_show_no_speed_for_steps_that_only_traced(tmp_path, caplog):
