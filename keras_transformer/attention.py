@@ -32,6 +32,28 @@ def _joined(tensors, axis):
     return tensors[0] if len(tensors) == 1 else ops.concatenate(tensors, axis=axis)
 
 
+def _as_matrix(initializer, input_rank):
+    """`initializer` drawn over the 2-D matrix that a multi-axis kernel stands for.
+
+    A `[d_model, heads, head_dim]` kernel is the paper's `[d_model, heads * head_dim]`
+    matrix (and `[heads, head_dim, d_model]` the output's `[heads * head_dim, d_model]`):
+    drawn as that matrix, Glorot's fans are the matrix's, as with
+    `keras.layers.MultiHeadAttention`, where Keras would take a 3-D shape for a
+    convolution kernel (fans several times too large). Any initializer, the user's
+    included, sees the matrix, so an orthogonal one gives an orthogonal matrix.
+
+    Args:
+        initializer: A Keras initializer (or a callable of `shape, dtype`).
+        input_rank: How many leading axes of the kernel are its input axes.
+    """
+
+    def initialize(shape, dtype=None):
+        matrix = (math.prod(shape[:input_rank]), math.prod(shape[input_rank:]))
+        return ops.reshape(initializer(matrix, dtype=dtype), shape)
+
+    return initialize
+
+
 def spec_like(structure):
     """`KerasTensor`s of the shapes and dtypes of a nest of tensors (a cache)."""
     return keras.tree.map_structure(lambda x: keras.KerasTensor(x.shape, dtype=x.dtype), structure)
@@ -51,7 +73,10 @@ class MultiHeadAttention(keras.layers.Layer):
         dropout_rate: Dropout on the attention weights. The paper applies
             dropout only to sub-layer outputs, so the blocks pass 0.
         use_bias: Whether the projections have biases.
-        kernel_initializer, bias_initializer: Initializers of the projections.
+        kernel_initializer, bias_initializer: Initializers of the projections. The
+            kernel initializer draws each kernel as the 2-D matrix it stands for
+            (`[d_model, num_heads * key_dim]`, and `[num_heads * value_dim, output_dim]`
+            for the output), so Glorot's fans are the paper's and Keras's.
         **kwargs: Base `keras.layers.Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -154,7 +179,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.output_kernel = self.add_weight(
             name="output_kernel",
             shape=(self.num_heads, self._value_dim, self._output_dim),
-            initializer=self.kernel_initializer,
+            initializer=_as_matrix(self.kernel_initializer, input_rank=2),
         )
         self.output_bias = (
             self.add_weight(name="output_bias", shape=(self._output_dim,), initializer=self.bias_initializer)
@@ -167,7 +192,7 @@ class MultiHeadAttention(keras.layers.Layer):
         kernel = self.add_weight(
             name=f"{name}_kernel",
             shape=(input_dim, self.num_heads, head_dim),
-            initializer=self.kernel_initializer,
+            initializer=_as_matrix(self.kernel_initializer, input_rank=1),
         )
         bias = None
         if self.use_bias:

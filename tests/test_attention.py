@@ -257,3 +257,32 @@ def test_a_per_head_mask_combines_with_the_keras_mask_of_the_values():
 def test_inputs_that_are_not_sequences_of_vectors_are_a_clear_error(shape):
     with pytest.raises(ValueError, match=r"expects query of shape \[batch, length, features\]"):
         MultiHeadAttention(HEADS)(np.zeros(shape, "float32"), np.zeros(shape, "float32"))
+
+
+@pytest.mark.parametrize("d_model, heads", [(512, 8), (64, 16)])
+def test_initial_kernels_have_the_scale_of_keras_multi_head_attention(d_model, heads):
+    """Glorot over the 2-D matrices `[d_model, heads * head_dim]` and `[heads * head_dim, d_model]`
+    (std sqrt(2 / (fan_in + fan_out))), as Keras's layer draws them, not over 3-D 'conv' fans."""
+    x = np.zeros((1, 3, d_model), "float32")
+    ours = MultiHeadAttention(heads)
+    ours(x, x)
+    theirs = keras.layers.MultiHeadAttention(heads, key_dim=d_model // heads)
+    theirs(x, x)
+    ours_by_name = {w.path.split("/")[-1]: np.asarray(w) for w in ours.weights}
+    theirs_kernels = [np.asarray(w) for w in theirs.weights if w.path.endswith("kernel")]
+    names = ["query_kernel", "key_kernel", "value_kernel", "output_kernel"]
+    glorot_std = np.sqrt(2.0 / (d_model + d_model))
+    for name, their_kernel in zip(names, theirs_kernels, strict=True):
+        ours_std, theirs_std = ours_by_name[name].std(), their_kernel.std()
+        assert ours_std == pytest.approx(glorot_std, rel=0.05), name
+        assert ours_std == pytest.approx(theirs_std, rel=0.05), name
+
+
+def test_a_user_initializer_draws_each_kernel_as_its_matrix():
+    """An orthogonal initializer gives orthogonal `[d_model, heads * head_dim]` matrices."""
+    x = np.zeros((1, 3, 32), "float32")
+    layer = MultiHeadAttention(4, kernel_initializer=keras.initializers.Orthogonal(seed=1))
+    layer(x, x)
+    for kernel in (layer.query_kernel, layer.output_kernel):
+        matrix = np.asarray(kernel).reshape(32, 32)
+        np.testing.assert_allclose(matrix.T @ matrix, np.eye(32), atol=1e-5)
