@@ -59,6 +59,12 @@ def parse_args(argv=None):
         "--max-length", type=int, help="Most output tokens (default: source length + 50)."
     )
     parser.add_argument(
+        "--min-length",
+        type=int,
+        help="Fewest tokens before EOS (default: the export's, else 1: a sentence never translates "
+        "to an empty line; 0 lets EOS come first).",
+    )
+    parser.add_argument(
         "--n-best", action="store_true", help="Print all beam_size hypotheses per sentence."
     )
     parser.add_argument(
@@ -86,6 +92,8 @@ def parse_args(argv=None):
         parser.error("--alpha must be 0 or more.")
     if args.max_length is not None and args.max_length < 1:
         parser.error("--max-length must be at least 1.")
+    if args.min_length is not None and args.min_length < 0:
+        parser.error("--min-length must be 0 or more.")
     if args.jit_compile and (args.saved_model or args.n_best or args.max_length is not None):
         parser.error("--jit-compile goes with --run-dir, without --n-best and --max-length.")
     if args.early_stopping is not None and args.saved_model:
@@ -97,7 +105,7 @@ def parse_args(argv=None):
 
 def wants_options(args):
     """Whether `translate_with_options` is needed: n-best, a length cap, or SavedModel options."""
-    chosen = args.beam_size is not None or args.alpha is not None
+    chosen = args.beam_size is not None or args.alpha is not None or args.min_length is not None
     return args.n_best or args.max_length is not None or (args.saved_model is not None and chosen)
 
 
@@ -114,7 +122,12 @@ def load_translator(args):
     from keras_transformer.translator import Translator
 
     # Unset, the beam size and length penalty are the run's own (see Translator.from_run_dir).
-    given = {"beam_size": args.beam_size, "alpha": args.alpha, "early_stopping": args.early_stopping}
+    given = {
+        "beam_size": args.beam_size,
+        "alpha": args.alpha,
+        "early_stopping": args.early_stopping,
+        "min_length": args.min_length,
+    }
     options = {name: value for name, value in given.items() if value is not None}
     try:
         module = Translator.from_run_dir(
@@ -129,11 +142,12 @@ def translate_fn(signatures, args):
     """`text [batch] -> outputs` through the signature the options need."""
     if not wants_options(args):
         return lambda text: signatures["serving_default"](text=text)
-    # Unset options (0, -1.0) are serving_default's own: the export's, or the run's.
+    # Unset options (0, -1.0, -1) are serving_default's own: the export's, or the run's.
     options = {
         "beam_size": tf.constant(args.beam_size or 0),
         "alpha": tf.constant(-1.0 if args.alpha is None else args.alpha, tf.float32),
         "max_length": tf.constant(args.max_length or 0),
+        "min_length": tf.constant(-1 if args.min_length is None else args.min_length),
     }
     return lambda text: signatures["translate_with_options"](text=text, **options)
 

@@ -5,7 +5,7 @@ import itertools
 import sys
 
 from export.saved_model import ExportError, export_run
-from keras_transformer.decoding import EARLY_STOPPING
+from keras_transformer.decoding import DEFAULT_MIN_LENGTH, EARLY_STOPPING
 from keras_transformer.run_dir import RunDirError
 from keras_transformer.translator import DEFAULT_MAX_INPUT_LENGTH, MAX_BEAM_SIZE
 
@@ -41,6 +41,13 @@ def parse_args(argv=None):
         "--max-extra-length", type=int, default=50, help="Outputs: source length + this at most."
     )
     parser.add_argument(
+        "--min-length",
+        type=int,
+        default=DEFAULT_MIN_LENGTH,
+        help=f"serving_default's fewest tokens before EOS (default {DEFAULT_MIN_LENGTH}: no sentence "
+        "translates to an empty string; 0 lets EOS come first).",
+    )
+    parser.add_argument(
         "--max-input-length",
         type=int,
         default=DEFAULT_MAX_INPUT_LENGTH,
@@ -65,7 +72,10 @@ def parse_args(argv=None):
         "--check-file", help="Also check the export on this file's sentences (one per line)."
     )
     parser.add_argument("--check-lines", type=int, default=16, help="Lines of --check-file to use.")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.min_length < 0:
+        parser.error("--min-length must be 0 or more.")
+    return args
 
 
 def read_check_sentences(path, lines):
@@ -86,6 +96,7 @@ def main(argv=None):
             model_name=args.model_name,
             check_sentences=read_check_sentences(args.check_file, args.check_lines),
             max_extra_length=args.max_extra_length,
+            min_length=args.min_length,
             max_input_length=args.max_input_length,
             jit_compile=args.jit_compile,
             early_stopping=args.early_stopping,

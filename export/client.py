@@ -8,9 +8,9 @@ REST, TF Serving's JSON API (`POST /v1/models/NAME[/versions/N]:predict`):
 * `translate_with_options` in the columnar format (its scalar inputs have no batch
   dimension, which the row format requires): `{"signature_name":
   "translate_with_options", "inputs": {"text": [...], "beam_size": 4, "alpha": 0.6,
-  "max_length": 0}}` -> `{"outputs": {"translation": [...], "score": [...],
-  "translations": [[...]], "scores": [[...]]}}`; `beam_size` 0 and a negative `alpha`
-  stand for `serving_default`'s own.
+  "max_length": 0, "min_length": -1}}` -> `{"outputs": {"translation": [...], "score": [...],
+  "translations": [[...]], "scores": [[...]]}}`; `beam_size` 0 and a negative `alpha` or
+  `min_length` stand for `serving_default`'s own.
 
 gRPC: `tensorflow_serving.apis`' `PredictionService.Predict` with the same signatures
 (needs the `serving` extra: `tensorflow-serving-api`).
@@ -119,7 +119,7 @@ def translate_grpc(server, model, sentences, *, options=None, version=None, time
     request.inputs["text"].CopyFrom(
         tf.make_tensor_proto([s.encode() for s in sentences], dtype=tf.string)
     )
-    dtypes = {"beam_size": tf.int32, "alpha": tf.float32, "max_length": tf.int32}
+    dtypes = {"beam_size": tf.int32, "alpha": tf.float32, "max_length": tf.int32, "min_length": tf.int32}
     for name, value in (options or {}).items():
         request.inputs[name].CopyFrom(tf.make_tensor_proto(value, dtype=dtypes[name]))
     with grpc.insecure_channel(server) as channel:
@@ -170,6 +170,11 @@ def parse_args(argv=None):
         "--max-length", type=int, help="Use translate_with_options with this output cap."
     )
     parser.add_argument(
+        "--min-length",
+        type=int,
+        help="Use translate_with_options with this many tokens before EOS at the least (0: may be empty).",
+    )
+    parser.add_argument(
         "--n-best", action="store_true", help="Print every hypothesis (translate_with_options)."
     )
     parser.add_argument("--scores", action="store_true", help="Print 'score<TAB>translation'.")
@@ -187,6 +192,8 @@ def parse_args(argv=None):
         parser.error("--batch-size must be at least 1.")
     if args.timeout <= 0:
         parser.error("--timeout must be more than 0.")
+    if args.min_length is not None and args.min_length < 0:
+        parser.error("--min-length must be 0 or more.")
     return args
 
 
@@ -211,14 +218,16 @@ def request_options(args):
         args.beam_size is None
         and args.alpha is None
         and args.max_length is None
+        and args.min_length is None
         and not args.n_best
     ):
         return None
-    # 0 and -1.0 ask for the served model's own beam size and length penalty.
+    # 0, -1.0 and -1 ask for the served model's own beam size, length penalty and minimum length.
     return {
         "beam_size": 0 if args.beam_size is None else args.beam_size,
         "alpha": -1.0 if args.alpha is None else args.alpha,
         "max_length": 0 if args.max_length is None else args.max_length,
+        "min_length": -1 if args.min_length is None else args.min_length,
     }
 
 

@@ -16,7 +16,7 @@ tensorflow-text's SentencePiece ops, which TF Serving's model server links in):
   `--jit-compile` its beam search is compiled by XLA (see `Translator`): TF Serving then
   needs `--xla_cpu_compilation_enabled=true` on CPUs.
 * `translate_with_options`: `text`, `beam_size` int32 `[]`, `alpha` float32 `[]`,
-  `max_length` int32 `[]` -> `translation`, `score`, and the n-best lists
+  `max_length` int32 `[]`, `min_length` int32 `[]` -> `translation`, `score`, and the n-best lists
   `translations` tf.string `[batch, beam_size]`, `scores` float32 `[batch, beam_size]`.
   Scalars do not fit TF Serving's row format: call it with the columnar
   `{"inputs": {...}}` REST format.
@@ -227,6 +227,7 @@ def verify_export(directory, translator, sentences):
         beam_size=tf.constant(translator.beam_size),
         alpha=tf.constant(translator.alpha, tf.float32),
         max_length=tf.constant(0),
+        min_length=tf.constant(translator.min_length),
     )
     # The options signature runs in graph mode: against an XLA search, allow XLA's rounding.
     tolerance = 1e-4 if translator.jit_compile else 1e-6
@@ -252,7 +253,13 @@ def _check_signatures(loaded):
     expected = {
         SERVING_SIGNATURE: ({"text": tf.string}, {"translation": tf.string, "score": tf.float32}),
         OPTIONS_SIGNATURE: (
-            {"text": tf.string, "beam_size": tf.int32, "alpha": tf.float32, "max_length": tf.int32},
+            {
+                "text": tf.string,
+                "beam_size": tf.int32,
+                "alpha": tf.float32,
+                "max_length": tf.int32,
+                "min_length": tf.int32,
+            },
             {
                 "translation": tf.string,
                 "score": tf.float32,

@@ -18,7 +18,7 @@ from keras_transformer.data import make_training_dataset, make_translation_datas
 from keras_transformer.decoding import beam_search
 from keras_transformer.dropout import Dropout
 from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding, sinusoidal_encoding
-from keras_transformer.losses import label_smoothed_cross_entropy, token_accuracy
+from keras_transformer.losses import LabelSmoothedCrossEntropy, label_smoothed_cross_entropy, token_accuracy
 from keras_transformer.masks import causal_mask, padding_mask
 from keras_transformer.model import Decoder, Encoder, Transformer
 from keras_transformer.presets import PRESETS, get_preset
@@ -64,6 +64,7 @@ __all__ = [
     "TransformerSchedule",
     "FusedAdam",
     "make_optimizer",
+    "LabelSmoothedCrossEntropy",
     "label_smoothed_cross_entropy",
     "token_accuracy",
     "beam_search",

@@ -21,6 +21,7 @@ so a decoding step does not transpose the whole cache.
 import math
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from keras_transformer.dropout import Dropout
@@ -54,6 +55,31 @@ def _as_matrix(initializer, input_rank):
     return initialize
 
 
+def check_cache_room(cache, cache_index, new_length):
+    """Raises unless `new_length` tokens written at `cache_index` fit in the cache.
+
+    `ops.slice_update` clamps a write that runs past the end, so an overflow would
+    silently overwrite the last slots. Known in Python (eagerly, or static values), it
+    is a ValueError now; otherwise the returned graph assertion fails when run (XLA
+    drops assertions: the beam search sizes its caches itself).
+
+    Returns:
+        `None`, or the assertion op to run before the write.
+    """
+    room = cache["key"].shape[2]
+    static_index, static_length = tf.get_static_value(cache_index), tf.get_static_value(new_length)
+    message = "the decoding cache is too short: make it longer (empty_cache, extend_cache)"
+    if room is not None and static_index is not None and static_length is not None:
+        if not 0 <= static_index <= room - static_length:
+            raise ValueError(
+                f"Cannot write {static_length} token(s) at position {static_index} of a decoding cache "
+                f"of {room} positions: {message}."
+            )
+        return None
+    end = tf.cast(cache_index, tf.int32) + tf.cast(new_length, tf.int32)
+    return tf.debugging.assert_less_equal(end, tf.shape(cache["key"])[2], message=message)
+
+
 def spec_like(structure):
     """`KerasTensor`s of the shapes and dtypes of a nest of tensors (a cache)."""
     return keras.tree.map_structure(lambda x: keras.KerasTensor(x.shape, dtype=x.dtype), structure)
@@ -70,13 +96,19 @@ class MultiHeadAttention(keras.layers.Layer):
             last dimension) must then be divisible by `num_heads`.
         value_dim: Size of each head for values, `d_v`. Defaults to `key_dim`.
         output_dim: Size of the output. Defaults to the query's last dimension.
-        dropout_rate: Dropout on the attention weights. The paper applies
-            dropout only to sub-layer outputs, so the blocks pass 0.
+        dropout_rate: Dropout on the attention weights; defaults to 0. The paper
+            applies dropout only to sub-layer outputs, so the blocks leave it at 0.
         use_bias: Whether the projections have biases.
         kernel_initializer, bias_initializer: Initializers of the projections. The
             kernel initializer draws each kernel as the 2-D matrix it stands for
             (`[d_model, num_heads * key_dim]`, and `[num_heads * value_dim, output_dim]`
             for the output), so Glorot's fans are the paper's and Keras's.
+        dropout, output_shape, seed: Keyword arguments of
+            `keras.layers.MultiHeadAttention`, so that code written for it runs with
+            this layer: `dropout` is `dropout_rate`, `output_shape` is `output_dim`
+            given as an int or a 1-tuple (the output is one vector per position),
+            and `seed` seeds the attention dropout. Giving an argument under both
+            names is an error.
         **kwargs: Base `keras.layers.Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -125,20 +157,48 @@ class MultiHeadAttention(keras.layers.Layer):
         key_dim=None,
         value_dim=None,
         output_dim=None,
-        dropout_rate=0.0,
+        dropout_rate=None,
         use_bias=True,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
+        *,
+        dropout=None,
+        output_shape=None,
+        seed=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        # Keras's names: each is resolved to ours, and named in errors as the caller named it.
+        rate_name, dim_name = "dropout_rate", "output_dim"
+        if dropout is not None:
+            if dropout_rate is not None:
+                raise ValueError(
+                    f"Give dropout_rate or dropout (Keras's name for it), not both; got {dropout_rate!r} and "
+                    f"{dropout!r}."
+                )
+            dropout_rate, rate_name = dropout, "dropout"
+        if output_shape is not None:
+            if output_dim is not None:
+                raise ValueError(
+                    f"Give output_dim or output_shape (Keras's name for it), not both; got {output_dim!r} and "
+                    f"{output_shape!r}."
+                )
+            if isinstance(output_shape, (tuple, list)) and len(output_shape) == 1:
+                output_shape = output_shape[0]
+            elif not isinstance(output_shape, int):
+                raise ValueError(
+                    "output_shape must be an int or a 1-tuple: this layer projects each position to one vector "
+                    f"of output_dim features. Got {output_shape!r}."
+                )
+            output_dim, dim_name = output_shape, "output_shape"
+        dropout_rate = 0.0 if dropout_rate is None else dropout_rate
         if not isinstance(num_heads, int) or num_heads <= 0:
             raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}.")
-        for name, dim in (("key_dim", key_dim), ("value_dim", value_dim), ("output_dim", output_dim)):
+        for name, dim in (("key_dim", key_dim), ("value_dim", value_dim), (dim_name, output_dim)):
             if dim is not None and (not isinstance(dim, int) or dim <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {dim!r}.")
         if not 0.0 <= dropout_rate < 1.0:
-            raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}.")
+            raise ValueError(f"{rate_name} must be in [0, 1), got {dropout_rate!r}.")
         self.num_heads = num_heads
         self.key_dim = key_dim
         self.value_dim = value_dim
@@ -147,7 +207,8 @@ class MultiHeadAttention(keras.layers.Layer):
         self.use_bias = use_bias
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
-        self.dropout = Dropout(dropout_rate, dtype=self.dtype_policy)
+        self.seed = seed
+        self.dropout = Dropout(dropout_rate, seed=seed, dtype=self.dtype_policy)
         self.supports_masking = True  # reads the Keras masks of values and keys; the output keeps the query's
 
     def build(self, query_shape, value_shape=None, key_shape=None):
@@ -362,6 +423,10 @@ class MultiHeadAttention(keras.layers.Layer):
                 projected = self.project_key_value(value, key)
                 key_heads, value_heads = projected["key"], projected["value"]
             if cache is not None:
+                fits = check_cache_room(cache, cache_index, ops.shape(query)[1])
+                if fits is not None:
+                    with tf.control_dependencies([fits]):
+                        key_heads = tf.identity(key_heads)
                 start = [0, 0, cache_index, 0]
                 key_heads = ops.slice_update(cache["key"], start, ops.cast(key_heads, cache["key"].dtype))
                 value_heads = ops.slice_update(
@@ -475,6 +540,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 "use_bias": self.use_bias,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                "seed": self.seed,
             }
         )
         return config

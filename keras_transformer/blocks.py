@@ -9,6 +9,7 @@ and needs a final LayerNorm after the stack (the `Encoder`/`Decoder` add it).
 import keras
 import tensorflow as tf
 from keras import ops
+from keras.src.backend import get_keras_mask  # how Keras's own layers read masks; no public API
 
 from keras_transformer.attention import MultiHeadAttention, spec_like
 from keras_transformer.dropout import Dropout
@@ -115,10 +116,18 @@ class FeedForward(keras.layers.Layer):
         d_ff: Inner width.
         activation: Inner activation; the paper's is ReLU.
         **kwargs: Base `keras.layers.Layer` arguments.
+
+    Call arguments:
+        inputs: `[..., d_model]`, usually `[batch, length, d_model]`. A Keras mask
+            on them (e.g. from `Embedding(mask_zero=True)`) is passed on to the output.
+
+    Returns:
+        `[..., d_model]`, with the Keras mask of `inputs`.
     """
 
     def __init__(self, d_model, d_ff, activation="relu", **kwargs):
         super().__init__(**kwargs)
+        self.supports_masking = True  # position-wise: a padded position stays padding
         self.d_model = d_model
         self.d_ff = d_ff
         self.activation = activation
@@ -327,10 +336,12 @@ class DecoderLayer(_ResidualBlock):
         encoder_padding_mask: Boolean `[batch, source_length]` (or rank 3/4),
             hiding source padding from the encoder-decoder attention. A Keras mask
             on `encoder_outputs` (e.g. from an `EncoderLayer` over
-            `Embedding(mask_zero=True)`) hides it as well.
+            `Embedding(mask_zero=True)`) hides it as well; with a cache, the one
+            `encoder_outputs` had when given to `init_cache` does (the cache keeps it).
         training: Whether dropout is active.
         cache: For incremental decoding, a dict `{"self": {"key", "value"},
-            "cross": {"key", "value"}}` as made by `init_cache`.
+            "cross": {"key", "value"}}` as made by `init_cache` (`"cross"` also
+            holds `"mask"` when the encoder outputs had a Keras mask).
         cache_index: Position of `inputs`' first token in the output sequence.
         return_attention_scores: Also return `(self_scores, cross_scores)`.
 
@@ -359,12 +370,26 @@ class DecoderLayer(_ResidualBlock):
         self.built = True
 
     def init_cache(self, encoder_outputs, max_length):
-        """An empty self-attention cache of `max_length` positions and the projected encoder memory."""
+        """An empty self-attention cache of `max_length` positions and the projected encoder memory.
+
+        Args:
+            encoder_outputs: `[batch, source_length, d_model]`. Their Keras mask, if
+                any, is kept with the memory as `"mask"`: cached steps hide the
+                source padding it marks, as the uncached call does.
+            max_length: Positions of the self-attention buffer.
+
+        Returns:
+            `{"self": {"key", "value"}, "cross": {"key", "value"}}`, plus
+            `"cross"`'s boolean `"mask"` `[batch, source_length]` if the encoder
+            outputs had a Keras mask.
+        """
         batch_size = ops.shape(encoder_outputs)[0]
-        return {
-            "self": self.self_attention.empty_cache(batch_size, max_length),
-            "cross": self.cross_attention.project_key_value(encoder_outputs),
-        }
+        memory = self.cross_attention.project_key_value(encoder_outputs)
+        # Decoding steps see the memory only through the cache: its padding must travel with it.
+        source_mask = get_keras_mask(encoder_outputs)
+        if source_mask is not None:
+            memory["mask"] = ops.cast(source_mask, "bool")
+        return {"self": self.self_attention.empty_cache(batch_size, max_length), "cross": memory}
 
     def call(
         self,
@@ -389,7 +414,12 @@ class DecoderLayer(_ResidualBlock):
         # Keras passes the Keras mask of `inputs` as `inputs_mask`; applied here as in
         # `EncoderLayer`, as pre-LN's normalised input carries no mask.
         target_mask = _as_attention_mask(inputs_mask)
-        cross_mask = _as_attention_mask(encoder_padding_mask)
+        # With a cache: the projected memory, and the padding `init_cache` kept with it.
+        memory = memory_mask = None
+        if cache is not None:
+            memory = {"key": cache["cross"]["key"], "value": cache["cross"]["value"]}
+            memory_mask = cache["cross"].get("mask")
+        cross_mask = intersect(_as_attention_mask(encoder_padding_mask), _as_attention_mask(memory_mask))
         scores = {}
         new_cache = {}
 
@@ -416,7 +446,7 @@ class DecoderLayer(_ResidualBlock):
                 attention_mask=cross_mask,
                 return_attention_scores=True,
                 training=training,
-                cache=None if cache is None else cache["cross"],
+                cache=memory,
             )
             scores["cross"] = outputs[1]
             return outputs[0]

@@ -26,6 +26,10 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
   every row is done: a row is done when it reached its maximum length, or when no alive
   beam can beat its `n_best`-th finished hypothesis (the early stop, per row). A done
   row's finished hypotheses are frozen while other rows go on.
+* A minimum length (`min_length`, fairseq's `--min-len`): EOS is not generated before
+  that many other tokens. `beam_search` defaults to 1, so that a sentence never
+  translates to an empty output (a blank one is the caller's to handle), as with fairseq
+  and CTranslate2: end-of-sentence as the first token could otherwise win the beam.
 * Two early stops (`EARLY_STOPPING`). `"exact"`, the default, is tensor2tensor's and
   Model Garden's: no alive beam can win even with the most favourable length penalty
   it could still reach (at the row's maximum length, for `alpha > 0`), so the search
@@ -66,6 +70,8 @@ _IMPOSSIBLE = NEG_INF / 2
 
 # The early stops `search` offers; see the module docstring.
 EARLY_STOPPING = ("exact", "current_length")
+# Tokens `beam_search` generates before EOS at the least: no empty translation.
+DEFAULT_MIN_LENGTH = 1
 
 SymbolsToLogitsFn = Callable[[tf.Tensor, tf.Tensor, Any], tuple[tf.Tensor, Any]]
 
@@ -163,6 +169,7 @@ def search(
     cache_lengths=None,
     extend_cache_fn=None,
     early_stopping="exact",
+    min_length=0,
 ) -> Hypotheses:
     """Beam search with any scoring function (greedy decoding for `beam_size=1`).
 
@@ -206,6 +213,9 @@ def search(
             could reach, `"current_length"` once none beats the best finished
             hypothesis at the next length (fewer steps, not always the exact result;
             an n-best list may have empty slots). See the module docstring.
+        min_length: EOS is not generated before this many other tokens (int or int32
+            scalar; 0: EOS may come first). A row whose maximum length is reached
+            first finishes there, without EOS.
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`, see there.
@@ -261,6 +271,9 @@ def search(
         if never_emit_ids:
             never_emit = tf.reduce_any(tf.equal(tf.range(vocab_size)[:, None], list(never_emit_ids)), axis=1)
             log_probs = tf.where(never_emit, NEG_INF, log_probs)
+        if not (isinstance(min_length, int) and min_length <= 0):
+            too_early = tf.logical_and(tf.equal(tf.range(vocab_size), eos_id), state.step < min_length)
+            log_probs = tf.where(too_early, NEG_INF, log_probs)
         log_probs = tf.reshape(log_probs, [batch_size, -1, vocab_size])  # [batch, beam, vocab]
         # The best candidates overall are among each beam's best: a top-k per beam
         # over the vocabulary, then one over beam * num_candidates (not one over
@@ -447,9 +460,11 @@ def beam_search(
     n_best=None,
     use_cache=True,
     eos_id=EOS_ID,
+    bos_id=BOS_ID,
     jit_compile=False,
     output_kernel=None,
     early_stopping="exact",
+    min_length=DEFAULT_MIN_LENGTH,
 ) -> Hypotheses:
     """Translates a batch of source ids with a `Transformer` by beam search.
 
@@ -478,6 +493,8 @@ def beam_search(
             with `Transformer.decode` every step (same results, for comparison).
         eos_id: End-of-sequence id (benchmarks pass an id the model never emits to
             decode a fixed number of steps).
+        bos_id: The start token the decoder was trained to begin with, never generated
+            (as `model.pad_id`). Both default to `SubwordTokenizer`'s reserved ids.
         jit_compile: When called eagerly, compile the search with XLA (with an int
             `beam_size`; compiled once per input shape).
         output_kernel: Optional `model.embedding.transposed_embeddings()` made ahead,
@@ -486,6 +503,8 @@ def beam_search(
             change (a served one, see `Translator`) can keep the transpose instead.
         early_stopping: `"exact"` (the paper's code) or `"current_length"` (fewer
             steps, not always the exact result), see `search`.
+        min_length: Tokens generated before EOS at the least, int or int32 scalar
+            (default 1: no empty translation; 0 lets EOS come first), see `search`.
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`: with `n_best=None`, `tokens` int32
@@ -508,7 +527,9 @@ def beam_search(
         n_best=n_best,
         use_cache=use_cache,
         eos_id=eos_id,
+        bos_id=bos_id,
         early_stopping=early_stopping,
+        min_length=min_length,
     )
     if output_kernel is not None:
         _check_output_kernel(model, output_kernel)
@@ -544,7 +565,9 @@ def _search_transformer(
     n_best,
     use_cache,
     eos_id,
+    bos_id,
     early_stopping,
+    min_length,
     output_kernel=None,
 ):
     source_ids = tf.cast(source_ids, tf.int32)
@@ -596,7 +619,7 @@ def _search_transformer(
             )
             return logits[:, -1], no_cache
 
-    initial_ids = tf.fill([tf.shape(source_ids)[0]], BOS_ID)
+    initial_ids = tf.fill([tf.shape(source_ids)[0]], bos_id)
     return search(
         symbols_to_logits_fn,
         initial_ids,
@@ -608,10 +631,11 @@ def _search_transformer(
         row_max_lengths=row_max_lengths,
         n_best=n_best,
         pad_id=model.pad_id,
-        never_emit_ids=(model.pad_id, BOS_ID),
+        never_emit_ids=(model.pad_id, bos_id),
         cache_lengths=cache_lengths,
         extend_cache_fn=extend_cache_fn,
         early_stopping=early_stopping,
+        min_length=min_length,
     )
 
 

@@ -108,9 +108,18 @@ class SharedEmbedding(keras.layers.Layer):
     Initialised with standard deviation d_model^-0.5 so that embeddings scaled
     by sqrt(d_model) have unit variance, like the positional encodings.
 
+    With a `pad_id`, embedded ids carry the Keras mask `ids != pad_id`, as with
+    `keras.layers.Embedding(mask_zero=True)`: later layers read it (attention hides
+    padded keys, pooling skips padded positions). Logits keep the Keras mask of the
+    hidden states they are projected from, so a Keras loss leaves out what it marks.
+
     Args:
         vocab_size: Size of the shared source/target vocabulary.
         d_model: Model width.
+        pad_id: Token id of padding, to be marked by a Keras mask; None (the
+            default) gives no mask. Ids must then be integers.
+        mask_zero: `keras.layers.Embedding`'s name for `pad_id=0`; not together
+            with `pad_id`.
         **kwargs: Base `keras.layers.Layer` arguments.
 
     Call arguments:
@@ -123,16 +132,26 @@ class SharedEmbedding(keras.layers.Layer):
             same weights.
 
     Returns:
-        `embedding[ids] * sqrt(d_model)`, or float32 logits `[..., vocab_size]`.
+        `embedding[ids] * sqrt(d_model)` (with the Keras mask `ids != pad_id` if
+        `pad_id` is set), or float32 logits `[..., vocab_size]`.
     """
 
-    def __init__(self, vocab_size, d_model, **kwargs):
+    def __init__(self, vocab_size, d_model, *, pad_id=None, mask_zero=False, **kwargs):
         super().__init__(**kwargs)
         for name, value in (("vocab_size", vocab_size), ("d_model", d_model)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if mask_zero:
+            if pad_id is not None:
+                raise ValueError(
+                    f"Give pad_id or mask_zero (Keras's name for pad_id=0), not both; got pad_id={pad_id!r}."
+                )
+            pad_id = 0
+        if pad_id is not None and (not isinstance(pad_id, int) or not 0 <= pad_id < vocab_size):
+            raise ValueError(f"pad_id must be None or a token id in [0, {vocab_size}), got {pad_id!r}.")
         self.vocab_size = vocab_size
         self.d_model = d_model
+        self.pad_id = pad_id
 
     def build(self, inputs_shape=None):
         self.embeddings = self.add_weight(
@@ -169,8 +188,23 @@ class SharedEmbedding(keras.layers.Layer):
             )
             # Softmax and loss want float32 logits even under mixed precision.
             return ops.cast(ops.reshape(logits, tuple(shape[:-1]) + (self.vocab_size,)), "float32")
+        self._check_ids(inputs)
         embedded = ops.take(self.embeddings, ops.cast(inputs, "int32"), axis=0)
         return embedded * ops.cast(math.sqrt(self.d_model), embedded.dtype)
+
+    def _check_ids(self, ids):
+        # compute_mask tells ids from hidden states by their dtype (it does not see `reverse`).
+        if self.pad_id is not None and not keras.backend.is_int_dtype(ids.dtype):
+            raise ValueError(
+                f"SharedEmbedding(pad_id={self.pad_id}) marks padding in integer ids, got "
+                f"{keras.backend.standardize_dtype(ids.dtype)} ids (keras.Input is float32 unless given a dtype)."
+            )
+
+    def compute_mask(self, inputs, previous_mask=None):
+        """`inputs != pad_id` for ids; the hidden states' own mask for logits (`reverse=True`)."""
+        if self.pad_id is None or not keras.backend.is_int_dtype(inputs.dtype):
+            return previous_mask
+        return ops.not_equal(inputs, self.pad_id)
 
     def compute_output_shape(self, inputs_shape):
         """The shape of embedded ids `inputs_shape` (`compute_output_spec` covers `reverse`)."""
@@ -179,9 +213,10 @@ class SharedEmbedding(keras.layers.Layer):
     def compute_output_spec(self, inputs, reverse=False, transposed_embeddings=None):
         if reverse:
             return keras.KerasTensor(tuple(inputs.shape[:-1]) + (self.vocab_size,), dtype="float32")
+        self._check_ids(inputs)
         return keras.KerasTensor(self.compute_output_shape(inputs.shape), dtype=self.compute_dtype)
 
     def get_config(self):
         config = super().get_config()
-        config.update({"vocab_size": self.vocab_size, "d_model": self.d_model})
+        config.update({"vocab_size": self.vocab_size, "d_model": self.d_model, "pad_id": self.pad_id})
         return config

@@ -17,9 +17,15 @@ the other `V - 1` classes gets `eps / (V - 1)`. (Keras's `label_smoothing` puts
 `1 - eps + eps / V` on the true class and `eps / V` on every class instead.)
 
 Padding is label `PAD_ID` (0): its positions count for nothing.
+
+`LabelSmoothedCrossEntropy` is the same loss as a `keras.losses.Loss`, for
+`model.compile(loss=...)`: Keras's reduction then gives the mean over the real
+tokens of each batch.
 """
 
+import keras
 import tensorflow as tf
+from keras.src.backend import set_keras_mask  # how Keras's own losses mark ignored positions; no public API
 
 from keras_transformer.tokenizer import PAD_ID
 
@@ -41,11 +47,16 @@ def label_smoothed_cross_entropy(labels, logits, label_smoothing=0.1, pad_id=PAD
     Returns:
         `(loss_sum, num_tokens)`, float32 scalars.
     """
+    token_losses, mask = _masked_token_losses(labels, logits, label_smoothing, pad_id)
+    return tf.reduce_sum(token_losses), tf.reduce_sum(mask)
+
+
+def _masked_token_losses(labels, logits, label_smoothing, pad_id):
+    """Per-token losses `[batch, length]` in float32, 0 on padding, and the float32 mask of real tokens."""
     logits = tf.cast(logits, tf.float32)
     labels = tf.cast(labels, tf.int32)
-    token_loss = _smoothed_token_losses(labels, logits, label_smoothing)
     mask = _real_token_mask(labels, pad_id)
-    return tf.reduce_sum(token_loss * mask), tf.reduce_sum(mask)
+    return _smoothed_token_losses(labels, logits, label_smoothing) * mask, mask
 
 
 def _smoothed_token_losses(labels, logits, label_smoothing):
@@ -88,6 +99,67 @@ def _smoothed_token_losses(labels, logits, label_smoothing):
         return losses, gradient
 
     return token_losses(logits)
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class LabelSmoothedCrossEntropy(keras.losses.Loss):
+    """`label_smoothed_cross_entropy` as a Keras loss, for `compile()` and `fit()`.
+
+    Padding is not a token: `call` marks it with a Keras mask on the per-token
+    losses, as `keras.losses.SparseCategoricalCrossentropy(ignore_class=...)` does,
+    so Keras's reductions leave it out of the sum and out of the count. With the
+    default reduction the loss is the sum of the token losses over the number of
+    real tokens in the batch: sentences weigh by their length, and a batch's
+    padding does not shrink it. Under a distribution strategy Keras divides each
+    replica's value by the number of replicas (a mean of replica means; the
+    trainer's `sum_over_replicas` gives the exact global mean instead).
+
+    Args:
+        label_smoothing: `eps` (paper: 0.1); 0 gives the plain negative log-likelihood.
+        pad_id: The label that marks padding.
+        reduction: Keras's reduction, over real tokens only:
+            `"sum_over_batch_size"` (default) and `"mean"` divide the weighted sum
+            by the number of real tokens, `"mean_with_sample_weight"` by the sum
+            of their weights, `"sum"` does not divide, and None gives the
+            `[batch, length]` token losses (0 on padding).
+        name: Name of the loss.
+        dtype: Keras's dtype for the inputs and the reduction (default: floatx);
+            the token losses are computed in float32.
+
+    Call arguments:
+        y_true: int `[batch, length]` target ids, `pad_id` where there is no token.
+        y_pred: `[batch, length, vocab_size]` logits. A Keras mask on them (e.g.
+            the one `SharedEmbedding(reverse=True)` passes on) hides positions too.
+        sample_weight: Optional weights broadcastable to `[batch, length]` (per
+            sentence: `[batch, 1]`).
+
+    Returns:
+        A float scalar, or the token losses with `reduction=None`.
+    """
+
+    def __init__(
+        self,
+        label_smoothing=0.1,
+        pad_id=PAD_ID,
+        reduction="sum_over_batch_size",
+        name="label_smoothed_cross_entropy",
+        dtype=None,
+    ):
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}.")
+        self.label_smoothing = label_smoothing
+        self.pad_id = pad_id
+
+    def call(self, y_true, y_pred):
+        token_losses, mask = _masked_token_losses(y_true, y_pred, self.label_smoothing, self.pad_id)
+        set_keras_mask(token_losses, tf.cast(mask, tf.bool))
+        return token_losses
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"label_smoothing": self.label_smoothing, "pad_id": self.pad_id})
+        return config
 
 
 def token_accuracy(labels, logits, pad_id=PAD_ID):

@@ -9,7 +9,9 @@ so one schedule serves every model size. The peak, at `step == warmup_steps`, is
 
 Steps count from 1: Keras optimizers call the schedule with `optimizer.iterations`,
 the number of updates already applied (0 before the first), so the schedule adds one.
-Without that, the first update would get a learning rate of exactly 0.
+Without that, the first update would get a learning rate of exactly 0. A float16 step
+whose gradients overflow applies no update (see `AgreedLossScaleOptimizer`): the
+schedule does not advance on it.
 """
 
 import keras
@@ -105,13 +107,47 @@ def _resource_handle(variable):
     return variable.handle
 
 
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class AgreedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """`keras.optimizers.LossScaleOptimizer` whose replicas and workers agree on skipping a step.
+
+    A step is skipped, and the loss scale halved, when ANY replica's gradients are not
+    finite; otherwise every replica applies it and counts it towards doubling the scale
+    (Keras's rule). Same arguments, variables and checkpoints as Keras's optimizer.
+
+    Why: under `tf.distribute`, `apply` receives each replica's own gradients, summed
+    over the replicas only later, by the inner optimizer. Keras decides on those local
+    gradients: on the merge-call path (every strategy but XLA-compiled replicas on GPUs)
+    it takes the first local replica's answer, although its comment says the gradients
+    were all-reduced; on the other path each replica decides alone. An overflow on
+    another replica then goes through the sum into every weight (NaN) without lowering
+    the scale, and workers, each reading its own first replica, can disagree: one waits
+    forever in the gradient all-reduce another skipped. Here each replica's overflow flag
+    (0 or 1) is summed over all replicas of all workers first (one scalar all-reduce a
+    step), so every replica takes the same decision.
+    """
+
+    def check_finite(self, grads):
+        finite = super().check_finite(grads)
+        if keras.backend.backend() != "tensorflow":
+            return finite
+        import tensorflow as tf
+
+        context = tf.distribute.get_replica_context()
+        # None: cross-replica context, whose gradients are already the combined ones.
+        if context is None or context.num_replicas_in_sync == 1:
+            return finite
+        overflowed = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32))
+        return tf.equal(overflowed, 0.0)
+
+
 def make_optimizer(learning_rate, loss_scaling=False):
     """Adam(beta_1=0.9, beta_2=0.98, epsilon=1e-9), the paper's optimizer.
 
     Args:
         learning_rate: Usually a `TransformerSchedule`.
-        loss_scaling: Wrap the optimizer in `keras.optimizers.LossScaleOptimizer`,
-            needed for float16 mixed precision (not for bfloat16).
+        loss_scaling: Wrap the optimizer in an `AgreedLossScaleOptimizer` (dynamic
+            loss scaling), needed for float16 mixed precision (not for bfloat16).
 
     Returns:
         The optimizer; create it inside the distribution strategy's scope.
@@ -120,5 +156,5 @@ def make_optimizer(learning_rate, loss_scaling=False):
         learning_rate=learning_rate, beta_1=ADAM_BETA_1, beta_2=ADAM_BETA_2, epsilon=ADAM_EPSILON
     )
     if loss_scaling:
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        optimizer = AgreedLossScaleOptimizer(optimizer)
     return optimizer

@@ -7,7 +7,11 @@ One loop serves every `tf.distribute.Strategy` (see `keras_transformer.distribut
 * The loss of a replica is its sum of token losses divided by the number of real tokens
   of the GLOBAL batch (all-reduced), so the gradients the optimizer sums over replicas
   are those of the global mean: the result does not depend on how the global batch is
-  split over replicas, beyond float rounding.
+  split over replicas, beyond float rounding. Padding is the model's `pad_id`.
+* float16 (dynamic loss scaling): a step is skipped, and the loss scale halved, when the
+  gradients of ANY replica of any worker overflowed; all of them decide on one
+  all-reduced flag (`schedule.AgreedLossScaleOptimizer`), so they skip or apply together.
+  A skipped step advances `step` but not `optimizer.iterations` nor the schedule.
 * With `jit_compile`, XLA compiles the forward and backward pass; the all-reduces and
   the optimizer update stay outside the compiled function, where every strategy
   supports them. Every new batch shape compiles anew, so XLA pays off only with few
@@ -62,7 +66,6 @@ from keras_transformer.run_dir import (
     validated_steps,
 )
 from keras_transformer.schedule import DEFAULT_WARMUP_STEPS, TransformerSchedule, make_optimizer
-from keras_transformer.tokenizer import PAD_ID
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +277,8 @@ class Trainer:
 
         Args:
             dataset_fn: `dataset_fn(input_context)` returns ONE epoch of per-replica
-                batches `((source_ids, decoder_inputs), labels)` for this worker, e.g.
+                batches `((source_ids, decoder_inputs), labels)` for this worker, padded
+                with the model's `pad_id`, e.g.
                 `keras_transformer.data.make_training_dataset(..., input_context=...)`.
                 It must be deterministic for a given seed (see the module docstring).
 
@@ -402,10 +406,11 @@ class Trainer:
         model, optimizer, strategy = self.model, self.optimizer, self.strategy
         variables = model.trainable_variables
         gradients = self._gradients
+        pad_id = model.pad_id
 
         def replica_step(batch):
             (source_ids, decoder_inputs), labels = batch
-            tokens = tf.reduce_sum(tf.cast(tf.not_equal(labels, PAD_ID), tf.float32))
+            tokens = tf.reduce_sum(tf.cast(tf.not_equal(labels, pad_id), tf.float32))
             global_tokens = tf.maximum(sum_over_replicas(tokens), 1.0)
             grads, loss_sum, correct = gradients(source_ids, decoder_inputs, labels, global_tokens)
             metrics = {"loss_sum": loss_sum, "correct": correct, "tokens": tokens}
@@ -436,15 +441,16 @@ class Trainer:
         model, optimizer = self.model, self.optimizer
         variables = model.trainable_variables
         label_smoothing = self.config.label_smoothing
+        pad_id = model.pad_id
 
         @tf.function(jit_compile=self.config.jit_compile)
         def gradients(source_ids, decoder_inputs, labels, global_tokens):
             with tf.GradientTape() as tape:
                 logits = model((source_ids, decoder_inputs), training=True)
-                loss_sum, _ = label_smoothed_cross_entropy(labels, logits, label_smoothing)
+                loss_sum, _ = label_smoothed_cross_entropy(labels, logits, label_smoothing, pad_id=pad_id)
                 scaled_loss = optimizer.scale_loss(loss_sum / global_tokens)
             grads = tape.gradient(scaled_loss, variables)
-            correct, _ = token_accuracy(labels, logits)
+            correct, _ = token_accuracy(labels, logits, pad_id=pad_id)
             return grads, loss_sum, correct
 
         return gradients

@@ -2,7 +2,7 @@
 
 Run by tests/test_export.py in a fresh process, as a serving host without this package
 would: `python standalone_translate.py EXPORT_DIR REQUESTS_JSON RESULTS_JSON`.
-REQUESTS_JSON holds `{"text": [...], "options": {"beam_size": .., "alpha": .., "max_length": ..}}`;
+REQUESTS_JSON holds `{"text": [...], "options": {"beam_size": .., "alpha": .., "max_length": .., "min_length": ..}}`;
 RESULTS_JSON receives the outputs of `serving_default` and `translate_with_options`.
 """
 
@@ -39,6 +39,7 @@ def main(export_dir, requests_path, results_path):
                 beam_size=tf.constant(options["beam_size"]),
                 alpha=tf.constant(options["alpha"], tf.float32),
                 max_length=tf.constant(options["max_length"]),
+                min_length=tf.constant(options["min_length"]),
             )
         ),
         "keras_transformer_imported": any(

@@ -286,3 +286,80 @@ def test_a_user_initializer_draws_each_kernel_as_its_matrix():
     for kernel in (layer.query_kernel, layer.output_kernel):
         matrix = np.asarray(kernel).reshape(32, 32)
         np.testing.assert_allclose(matrix.T @ matrix, np.eye(32), atol=1e-5)
+
+
+# What code written for keras.layers.MultiHeadAttention typically passes.
+KERAS_KWARGS = dict(
+    num_heads=2,
+    key_dim=8,
+    value_dim=4,
+    dropout=0.1,
+    output_shape=16,
+    use_bias=True,
+    kernel_initializer="he_normal",
+    bias_initializer="zeros",
+    seed=5,
+)
+
+
+@pytest.mark.parametrize("output_shape", [16, (16,), [16]])
+def test_keras_argument_names_give_the_layer_keras_gives(output_shape):
+    """`dropout`, `output_shape` and `seed` as Keras names them: the same weights give Keras's output at
+    inference (`[batch, target_length, 16]`), the rate is the attention dropout's, and the config round-trips."""
+    kwargs = dict(KERAS_KWARGS, output_shape=output_shape)
+    ours, theirs = MultiHeadAttention(**kwargs), keras.layers.MultiHeadAttention(**kwargs)
+    rng = np.random.default_rng(15)
+    query = rng.normal(size=(2, 5, 12)).astype("float32")
+    value = rng.normal(size=(2, 7, 10)).astype("float32")
+    theirs(query, value)
+    ours(query, value)
+    weights = [rng.normal(size=w.shape).astype("float32") * 0.3 for w in theirs.get_weights()]
+    theirs.set_weights(weights)
+    ours.set_weights(weights)
+
+    out = ours(query, value)
+    assert out.shape == (2, 5, 16)
+    np.testing.assert_allclose(out, theirs(query, value, training=False), atol=1e-5)
+    assert (ours.dropout_rate, ours.dropout.rate, ours.output_dim, ours.seed) == (0.1, 0.1, 16, 5)
+    assert not np.allclose(ours(query, value, training=True), out, atol=1e-4)  # the attention dropout is on
+    restored = MultiHeadAttention.from_config(ours.get_config())
+    assert restored.get_config() == ours.get_config()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dropout": 0.1, "dropout_rate": 0.1}, "Give dropout_rate or dropout"),
+        ({"output_shape": 16, "output_dim": 16}, "Give output_dim or output_shape"),
+        ({"output_shape": (4, 4)}, r"output_shape must be an int or a 1-tuple.*\(4, 4\)"),
+        ({"output_shape": ()}, r"output_shape must be an int or a 1-tuple"),
+        ({"output_shape": (0,)}, "output_shape must be a positive integer"),
+        ({"dropout": 1.5}, r"dropout must be in \[0, 1\)"),
+    ],
+)
+def test_keras_argument_names_given_badly_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MultiHeadAttention(2, key_dim=8, **kwargs)
+
+
+def test_writing_past_the_end_of_a_cache_is_an_error_not_an_overwrite():
+    ours, _, query, _ = copied_pair(seed=11)
+    cache = ours.empty_cache(2, 4)
+    for i in range(4):  # the last slot is writable
+        step = query[:, i : i + 1]
+        _, cache = ours(step, step, use_causal_mask=True, cache=cache, cache_index=i)
+    written = np.asarray(cache["key"])
+    step = query[:, 4:5]
+    with pytest.raises(ValueError, match=r"1 token\(s\) at position 4 of a decoding cache of 4 positions"):
+        ours(step, step, use_causal_mask=True, cache=cache, cache_index=4)
+    with pytest.raises(ValueError, match="at position 3"):  # two tokens from the last slot
+        ours(query[:, :2], query[:, :2], use_causal_mask=True, cache=cache, cache_index=3)
+    np.testing.assert_array_equal(cache["key"], written)
+
+    @tf.function(autograph=False)
+    def write(step, cache, index):  # the index known only when the graph runs
+        return ours(step, step, use_causal_mask=True, cache=cache, cache_index=index)[1]
+
+    write(step, cache, tf.constant(3))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="decoding cache is too short"):
+        write(step, cache, tf.constant(4))

@@ -291,3 +291,187 @@ def test_a_keras_mask_with_a_decoding_cache_is_a_clear_error():
 def test_a_feed_forward_network_on_inputs_of_another_width_is_a_clear_error():
     with pytest.raises(ValueError, match=r"expects inputs of width d_model=8.*\(2, 5, 6\)"):
         FeedForward(8, 16)(np.zeros((2, 5, 6), "float32"))
+
+
+def test_the_feed_forward_network_passes_the_keras_mask_on_without_a_warning():
+    """Position-wise, so padding stays padding: masked pooling after it averages the real positions only."""
+    feed_forward = FeedForward(8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, embedding = _masked_embedding_model(
+            lambda x: keras.layers.GlobalAveragePooling1D()(feed_forward(x))
+        )
+    assert not [str(w.message) for w in caught if "mask" in str(w.message)]
+    ids = np.array([[4, 6, 9, 0, 0], [3, 0, 0, 0, 0]])
+    transformed = np.asarray(feed_forward(np.asarray(embedding(ids))))  # a numpy input: no Keras mask
+    expected = np.stack([transformed[i][ids[i] != 0].mean(axis=0) for i in range(2)])
+    np.testing.assert_allclose(model(ids), expected, atol=1e-6)
+    assert not np.allclose(expected, transformed.mean(axis=1), atol=1e-3)  # the mask matters
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
+def test_cached_decoding_hides_the_source_padding_that_the_encoder_outputs_keras_mask_marks(norm_first):
+    """`init_cache` keeps the memory's Keras mask: step by step, the decoder gives its uncached outputs."""
+    rng = np.random.default_rng(23)
+    embedding = keras.layers.Embedding(20, 8, mask_zero=True)
+    encoder = EncoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
+    decoder = DecoderLayer(8, 2, 16, dropout_rate=0.0, norm_first=norm_first)
+    source = np.array([[5, 7, 3, 0, 0, 0], [4, 9, 2, 8, 6, 0]])
+    memory = encoder(embedding(source))  # carries the Keras mask source != 0
+    target = rng.normal(size=(2, 4, 8)).astype("float32")
+    explicit = np.asarray(decoder(target, np.asarray(memory), encoder_padding_mask=source != 0))
+    np.testing.assert_allclose(decoder(target, memory), explicit, atol=1e-5)
+
+    cache = decoder.init_cache(memory, max_length=4)
+    steps = []
+    for i in range(4):
+        output, cache = decoder(target[:, i : i + 1], cache=cache, cache_index=i)
+        steps.append(np.asarray(output))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), explicit, atol=1e-5)
+    attending_to_padding = np.asarray(decoder(target, np.asarray(memory)))
+    assert not np.allclose(attending_to_padding, explicit, atol=1e-4)  # the source padding matters
+
+
+# ---------------------------------------------------------------------------
+# Where dropout sits, computed in numpy from the layers' weights
+# ---------------------------------------------------------------------------
+
+
+def _np_layer_norm(norm, x):
+    x = x.astype("float64")
+    mean, var = x.mean(axis=-1, keepdims=True), x.var(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + norm.epsilon) * np.asarray(norm.gamma) + np.asarray(norm.beta)
+
+
+def _np_attention(attention, query, memory, causal=False):
+    """softmax(Q K^T / sqrt(d_k)) V per head, then the output projection (section 3.2.2)."""
+    w = {v.path.split("/")[-1]: np.asarray(v, "float64") for v in attention.weights}
+    q = np.einsum("btd,dhk->bhtk", query, w["query_kernel"]) + w["query_bias"][None, :, None, :]
+    k = np.einsum("bsd,dhk->bhsk", memory, w["key_kernel"]) + w["key_bias"][None, :, None, :]
+    v = np.einsum("bsd,dhk->bhsk", memory, w["value_kernel"]) + w["value_bias"][None, :, None, :]
+    logits = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    if causal:
+        logits = np.where(np.tril(np.ones(logits.shape[-2:], bool)), logits, -np.inf)
+    weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("bhtv,hvo->bto", weights @ v, w["output_kernel"]) + w["output_bias"]
+
+
+def _np_feed_forward(feed_forward, x):
+    inner, outer = feed_forward.inner, feed_forward.outer
+    hidden = np.maximum(0.0, x @ np.asarray(inner.kernel, "float64") + np.asarray(inner.bias))
+    return hidden @ np.asarray(outer.kernel, "float64") + np.asarray(outer.bias)
+
+
+def _np_residual(x, sublayer, norm, mask, norm_first):
+    """The paper's LayerNorm(x + Dropout(Sublayer(x))), or pre-LN x + Dropout(Sublayer(LayerNorm(x)))."""
+    if norm_first:
+        return x + mask * sublayer(_np_layer_norm(norm, x))
+    return _np_layer_norm(norm, x + mask * sublayer(x))
+
+
+def _np_block(x, sublayers, masks, norm_first):
+    """`x` through `(sublayer, norm)` pairs in turn, each wrapped by `_np_residual` with its dropout mask."""
+    h = x.astype("float64")
+    for (sublayer, norm), mask in zip(sublayers, masks, strict=True):
+        h = _np_residual(h, sublayer, norm, mask, norm_first)
+    return h
+
+
+def _fix_dropout_masks(monkeypatch, rng, dropouts, shape):
+    """Each of `dropouts` multiplies by its own fixed mask (0, or 1 / keep probability) in training.
+
+    Returns the masks, in the order of `dropouts`.
+    """
+    masks = []
+    for dropout in dropouts:
+        keep = rng.random(shape) >= dropout.rate
+        mask = keep / (1.0 - dropout.rate)
+        masks.append(mask)
+
+        def call(inputs, training=False, mask=mask):
+            return inputs * np.reshape(mask, inputs.shape).astype("float32") if training else inputs
+
+        monkeypatch.setattr(dropout, "call", call)
+    return masks
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
+def test_dropout_sits_on_each_encoder_sublayer_output_before_the_residual_add(norm_first, monkeypatch):
+    rng = np.random.default_rng(31)
+    x = rng.normal(size=SHAPE).astype("float32")
+    layer = _with_random_weights(EncoderLayer(8, 2, 16, dropout_rate=0.3, norm_first=norm_first), rng, x)
+    dropouts = [layer.self_attention_dropout, layer.feed_forward_dropout]
+    masks = _fix_dropout_masks(monkeypatch, rng, dropouts, SHAPE)
+    sublayers = [
+        (lambda t: _np_attention(layer.self_attention, t, t), layer.self_attention_norm),
+        (lambda t: _np_feed_forward(layer.feed_forward, t), layer.feed_forward_norm),
+    ]
+
+    _assert_all_close([layer(x, training=True)], [_np_block(x, sublayers, masks, norm_first)])
+    _assert_all_close([layer(x, training=False)], [_np_block(x, sublayers, [1.0, 1.0], norm_first)])
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
+def test_dropout_sits_on_each_decoder_sublayer_output_before_the_residual_add(norm_first, monkeypatch):
+    rng = np.random.default_rng(32)
+    y = rng.normal(size=SHAPE).astype("float32")
+    memory = rng.normal(size=(3, 7, 8)).astype("float32")
+    layer = _with_random_weights(DecoderLayer(8, 2, 16, dropout_rate=0.3, norm_first=norm_first), rng, y, memory)
+    dropouts = [layer.self_attention_dropout, layer.cross_attention_dropout, layer.feed_forward_dropout]
+    masks = _fix_dropout_masks(monkeypatch, rng, dropouts, SHAPE)
+    sublayers = [
+        (lambda t: _np_attention(layer.self_attention, t, t, causal=True), layer.self_attention_norm),
+        (lambda t: _np_attention(layer.cross_attention, t, memory.astype("float64")), layer.cross_attention_norm),
+        (lambda t: _np_feed_forward(layer.feed_forward, t), layer.feed_forward_norm),
+    ]
+
+    _assert_all_close([layer(y, memory, training=True)], [_np_block(y, sublayers, masks, norm_first)])
+    _assert_all_close([layer(y, memory, training=False)], [_np_block(y, sublayers, [1.0] * 3, norm_first)])
+
+
+# bfloat16 keeps 8 significant bits, float16 11: relative tolerances of a few of their roundings.
+_HALF_PRECISION_TOLERANCES = {"mixed_bfloat16": 2e-2, "mixed_float16": 3e-3}
+
+
+def _float32_and_mixed(make_layer, policy, *inputs):
+    """`make_layer(dtype)` in float32 and under `policy`, with the same (float32) weights."""
+    reference, mixed = make_layer("float32"), make_layer(policy)
+    reference(*inputs)
+    mixed(*inputs)
+    mixed.set_weights(reference.get_weights())
+    return reference, mixed
+
+
+@pytest.mark.parametrize("policy", sorted(_HALF_PRECISION_TOLERANCES))
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
+@pytest.mark.parametrize("layer_class", [EncoderLayer, DecoderLayer])
+def test_mixed_precision_blocks_compute_what_float32_computes_on_the_same_weights(layer_class, norm_first, policy):
+    """Outputs in the half-precision compute dtype, attention weights in float32, both close to float32's."""
+    rng = np.random.default_rng(33)
+    x = rng.normal(size=(3, 5, 32)).astype("float32")
+    inputs = (x,) if layer_class is EncoderLayer else (x, rng.normal(size=(3, 7, 32)).astype("float32"))
+    reference, mixed = _float32_and_mixed(
+        lambda dtype: layer_class(32, 4, 64, dropout_rate=0.0, norm_first=norm_first, dtype=dtype), policy, *inputs
+    )
+    expected, expected_scores = reference(*inputs, return_attention_scores=True)
+    got, got_scores = mixed(*inputs, return_attention_scores=True)
+    assert got.dtype == policy.split("_")[1]
+    tolerance = _HALF_PRECISION_TOLERANCES[policy]
+    np.testing.assert_allclose(
+        keras.ops.cast(got, "float32"), expected, atol=tolerance * float(np.abs(expected).max())
+    )
+    for got_weights, expected_weights in zip(keras.tree.flatten(got_scores), keras.tree.flatten(expected_scores)):
+        assert got_weights.dtype == "float32"
+        np.testing.assert_allclose(got_weights, expected_weights, atol=tolerance)
+
+
+@pytest.mark.parametrize("policy", sorted(_HALF_PRECISION_TOLERANCES))
+def test_the_mixed_precision_feed_forward_network_computes_what_float32_computes(policy):
+    x = np.random.default_rng(34).normal(size=(3, 5, 32)).astype("float32")
+    reference, mixed = _float32_and_mixed(lambda dtype: FeedForward(32, 64, dtype=dtype), policy, x)
+    expected = np.asarray(reference(x))
+    got = mixed(x)
+    assert got.dtype == policy.split("_")[1]
+    tolerance = _HALF_PRECISION_TOLERANCES[policy]
+    np.testing.assert_allclose(keras.ops.cast(got, "float32"), expected, atol=tolerance * np.abs(expected).max())

@@ -115,6 +115,7 @@ def run_search(
     cache_lengths=None,
     never_emit_ids=(),
     early_stopping="exact",
+    min_length=0,
 ):
     """`decoding.search` over `tables`; with `cache_lengths`, the history scorer's growing cache."""
     rows = len(tables)
@@ -142,6 +143,7 @@ def run_search(
             n_best=n_best,
             never_emit_ids=never_emit_ids,
             early_stopping=early_stopping,
+            min_length=min_length,
             **growth,
         )
 
@@ -158,10 +160,11 @@ def penalty(length, alpha):
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def all_hypotheses(table, max_length, alpha, never_emit=()):
+def all_hypotheses(table, max_length, alpha, never_emit=(), min_length=0):
     """Every output of a row as `(score, tokens)`, best first: ending in EOS or at `max_length`.
 
-    Tokens in `never_emit` are skipped; the others keep their log-probs over the whole vocabulary.
+    Tokens in `never_emit`, and EOS after fewer than `min_length` tokens, are skipped; the
+    others keep their log-probs over the whole vocabulary.
     """
     hypotheses = []
 
@@ -170,6 +173,8 @@ def all_hypotheses(table, max_length, alpha, never_emit=()):
         prefix_hash = next_hash(prefix_hash, newest)
         log_probs = log_softmax(table[len(prefix), prefix_hash])
         for token in sorted(set(range(VOCAB)) - set(never_emit)):
+            if token == EOS and len(prefix) < min_length:
+                continue
             tokens, total = prefix + [token], log_prob + log_probs[token]
             if token == EOS or len(tokens) == max_length:
                 hypotheses.append((total / penalty(len(tokens), alpha), tokens))
@@ -280,6 +285,34 @@ def test_never_emitted_ids_are_left_out_of_the_exact_n_best_with_unchanged_score
         np.testing.assert_allclose([s for s, _ in found], [s for s, _ in expected], rtol=1e-5, atol=1e-5)
         # Without the exclusion the best outputs of this table do use those ids.
         assert any(set(tokens) & set(never_emit) for _, tokens in all_hypotheses(tables[row], max_length, 0.6)[:10])
+
+
+@pytest.mark.parametrize("min_length", [1, 2, tf.constant(2)])
+def test_a_minimum_length_gives_the_exact_n_best_of_brute_force_without_an_early_eos(min_length):
+    tables = make_tables(seed=8)
+    result = run_search(tables, EXACT_BEAM, 0.6, n_best=10, min_length=min_length)
+    min_length = int(min_length)
+    for row, max_length in enumerate(ROW_MAX_LENGTHS):
+        expected = all_hypotheses(tables[row], max_length, 0.6, min_length=min_length)[:10]
+        found = as_hypotheses(result, row)[: len(expected)]
+        assert [tokens for _, tokens in found] == [tokens for _, tokens in expected], row
+        np.testing.assert_allclose([s for s, _ in found], [s for s, _ in expected], rtol=1e-5, atol=1e-5)
+    # Without it, outputs that end too soon are among the best of these tables.
+    unconstrained = [all_hypotheses(tables[row], n, 0.6)[:10] for row, n in enumerate(ROW_MAX_LENGTHS)]
+    assert any(tokens[-1] == EOS and len(tokens) <= min_length for best in unconstrained for _, tokens in best)
+
+
+def test_a_minimum_length_of_one_keeps_a_likely_first_eos_from_winning():
+    # EOS is nearly certain at every step: the best output is EOS alone, and with
+    # min_length=1 one token and then EOS; a row of maximum length 1 ends without EOS.
+    tables = np.zeros((2, 40, HASH_MODULUS, VOCAB), "float32")
+    tables[..., EOS] = 20.0
+    unconstrained = run_search(tables, 4, 0.6, row_max_lengths=[40, 1])
+    assert list(unconstrained.lengths) == [1, 1] and list(unconstrained.tokens[:, 0]) == [EOS, EOS]
+    for jit_compile in (False, True):
+        result = run_search(tables, 4, 0.6, row_max_lengths=[40, 1], min_length=1, jit_compile=jit_compile)
+        assert list(result.lengths) == [2, 1]
+        assert result.tokens[0, 0] != EOS and result.tokens[0, 1] == EOS and result.tokens[1, 0] != EOS
 
 
 def test_a_cache_that_does_not_grow_is_too_short_for_the_history_scorer():
@@ -535,11 +568,13 @@ def test_scores_are_the_length_penalized_log_probs_of_the_outputs(trained_model,
     assert (np.diff(hypotheses.scores, axis=1) <= 0).all()  # best first
 
 
-def test_greedy_decoding_is_argmax_decoding_with_the_full_decoder(trained_model, source_ids):
+@pytest.mark.parametrize("bos_id", [BOS_ID, 5])
+def test_greedy_decoding_is_argmax_decoding_with_the_full_decoder(trained_model, source_ids, bos_id):
+    """From the start token given (another model's may not be the tokenizer's)."""
     source_ids = source_ids[:6]
-    result = decode(trained_model, source_ids, beam_size=1)
+    result = decode(trained_model, source_ids, beam_size=1, bos_id=bos_id)
     max_lengths = source_lengths(source_ids) + 50
-    prefix = np.full((len(source_ids), 1), BOS_ID)
+    prefix = np.full((len(source_ids), 1), bos_id)
     done = np.zeros(len(source_ids), bool)
     expected = [[] for _ in source_ids]
     last_logits = tf.function(
@@ -547,6 +582,8 @@ def test_greedy_decoding_is_argmax_decoding_with_the_full_decoder(trained_model,
     )
     while not done.all():
         logits = last_logits(prefix).numpy()
+        # Never generated: padding and the start token, and EOS first (min_length 1).
+        logits[:, [PAD_ID, bos_id] + ([EOS_ID] if prefix.shape[1] == 1 else [])] = -np.inf
         tokens = logits.argmax(-1)
         for row in np.flatnonzero(~done):
             expected[row].append(int(tokens[row]))

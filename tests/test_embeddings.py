@@ -148,3 +148,71 @@ def test_the_shared_embedding_in_a_functional_model_embeds_and_projects_as_calle
 def test_positional_encoding_of_inputs_that_are_not_embeddings_is_a_clear_error():
     with pytest.raises(ValueError, match=r"expects embeddings \[batch, length, d_model\].*\(2, 8\)"):
         PositionalEncoding()(np.zeros((2, 8), "float32"))
+
+
+def _keras_mask(x):
+    return getattr(x, "_keras_mask", None)  # where Keras keeps a tensor's mask
+
+
+@pytest.mark.parametrize("options, pad_id", [({"mask_zero": True}, 0), ({"pad_id": 3}, 3)], ids=["mask_zero", "pad_id"])
+def test_a_shared_embedding_with_a_pad_id_masks_padding_for_keras_attention(options, pad_id):
+    """Embedded ids carry the mask `ids != pad_id`, and `keras.layers.MultiHeadAttention` then hides padded keys:
+    the same output as with that mask given explicitly, symbolically and eagerly."""
+    import keras
+
+    embedding = SharedEmbedding(20, 8, **options)
+    attention = keras.layers.MultiHeadAttention(2, key_dim=4)
+    ids = np.array([[5, 7, 9, pad_id, pad_id], [4, 2, pad_id, pad_id, pad_id]])
+    query = np.random.default_rng(2).normal(size=(2, 3, 8)).astype("float32")
+    embedded = embedding(ids)
+    np.testing.assert_array_equal(_keras_mask(embedded), ids != pad_id)
+
+    key_padding = np.broadcast_to((ids != pad_id)[:, None, :], (2, 3, 5))
+    expected = attention(query, np.asarray(embedded), attention_mask=key_padding)  # numpy: no Keras mask
+    np.testing.assert_allclose(attention(query, embedded), expected, atol=1e-6)
+    inputs = [keras.Input((3, 8)), keras.Input((5,), dtype="int32")]
+    model = keras.Model(inputs, attention(inputs[0], embedding(inputs[1])))
+    np.testing.assert_allclose(model([query, ids]), expected, atol=1e-6)
+    assert not np.allclose(attention(query, np.asarray(embedded)), expected, atol=1e-4)  # the padding matters
+
+
+def test_a_shared_embedding_without_a_pad_id_makes_no_mask_and_logits_keep_the_hidden_states_mask():
+    import keras
+
+    ids = np.array([[5, 7, 0]])
+    assert _keras_mask(SharedEmbedding(20, 8)(ids)) is None
+    hidden = keras.layers.Embedding(20, 8, mask_zero=True)(ids)
+    logits = SharedEmbedding(20, 8)(hidden, reverse=True)
+    np.testing.assert_array_equal(_keras_mask(logits), ids != 0)
+
+
+def test_bad_padding_options_are_clear_errors():
+    import keras
+
+    with pytest.raises(ValueError, match="pad_id or mask_zero"):
+        SharedEmbedding(20, 8, pad_id=0, mask_zero=True)
+    with pytest.raises(ValueError, match=r"pad_id must be None or a token id in \[0, 20\)"):
+        SharedEmbedding(20, 8, pad_id=20)
+    with pytest.raises(ValueError, match=r"marks padding in integer ids, got float32 ids"):
+        SharedEmbedding(20, 8, pad_id=0)(keras.Input((5,)))
+
+
+def test_the_transformer_drops_out_the_sum_of_embeddings_and_positions(monkeypatch):
+    """Section 5.4: dropout on "the sums of the embeddings and the positional encodings", with a fixed mask."""
+    from keras_transformer import Transformer
+
+    model = Transformer(vocab_size=30, num_layers=1, d_model=8, num_heads=2, d_ff=16, dropout_rate=0.25)
+    source = np.array([[4, 9, 17, 0], [5, 3, 0, 0]])
+    model.encode(source)  # builds it
+    rng = np.random.default_rng(3)
+    mask = ((rng.random((2, 4, 8)) >= 0.25) / 0.75).astype("float32")
+    monkeypatch.setattr(model.embedding_dropout, "call", lambda x, training=False: x * mask if training else x)
+    for block in model.encoder.blocks:  # the encoder's own dropout off, to compare its outputs
+        for dropout in (block.self_attention_dropout, block.feed_forward_dropout):
+            monkeypatch.setattr(dropout, "call", lambda x, training=False: x)
+
+    table = np.asarray(model.embedding.embeddings)
+    dropped_sum = mask * (table[source] * math.sqrt(8) + paper_formula(4, 8))
+    expected = model.encoder(dropped_sum.astype("float32"), padding_mask=source != 0)
+    encoded, _ = model.encode(source, training=True)
+    np.testing.assert_allclose(encoded, expected, atol=1e-5)

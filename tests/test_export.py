@@ -70,6 +70,7 @@ def translate(signature, texts, **options):
             beam_size=tf.constant(options["beam_size"]),
             alpha=tf.constant(options["alpha"], tf.float32),
             max_length=tf.constant(options["max_length"]),
+            min_length=tf.constant(options.get("min_length", -1)),  # -1: the translator's own
         )
     return {name: value.numpy() for name, value in signature(**inputs).items()}
 
@@ -152,6 +153,7 @@ def test_saved_model_cli_lists_the_signatures(exported):
             "beam_size": ("DT_INT32", "()"),
             "alpha": ("DT_FLOAT", "()"),
             "max_length": ("DT_INT32", "()"),
+            "min_length": ("DT_INT32", "()"),
         },
         "outputs": {
             "translation": ("DT_STRING", "(-1)"),
@@ -182,7 +184,7 @@ def test_the_translator_translates_like_beam_search_with_the_models_own_weights(
 def test_a_process_with_only_tensorflow_translates_like_the_in_process_translator(
     exported, translator, sentences, tmp_path
 ):
-    options = {"beam_size": 2, "alpha": 1.0, "max_length": 0}
+    options = {"beam_size": 2, "alpha": 1.0, "max_length": 0, "min_length": -1}
     requests = tmp_path / "requests.json"
     results = tmp_path / "results.json"
     requests.write_text(json.dumps({"text": sentences, "options": options}))
@@ -253,8 +255,45 @@ def test_bad_inputs_never_fail_and_do_not_change_their_neighbours(served, senten
     for text in mixed["translation"]:
         text.decode("utf-8")  # valid UTF-8, as JSON responses need
     assert np.isfinite(mixed["score"]).all()
-    # Empty and whitespace-only inputs translate to nothing, with certainty.
+    # Empty and whitespace-only inputs translate to nothing, with certainty; any other input to something.
     assert list(mixed["translation"][1:3]) == [b"", b""] and list(mixed["score"][1:3]) == [0.0, 0.0]
+    assert all(text.strip() for index, text in enumerate(mixed["translation"]) if index not in (1, 2))
+
+
+@pytest.fixture(scope="module")
+def eos_first_translator(tiny_translation_run):
+    """A translator whose model puts a large extra logit on EOS at the first step, so that
+    without a minimum length every sentence translates to ""."""
+    from keras_transformer.tokenizer import EOS_ID
+
+    model = run_dir.load_model(tiny_translation_run)
+    decode_step = model.decode_step
+
+    def eos_first_decode_step(token_ids, cache, cache_index, *args, **kwargs):
+        logits, cache = decode_step(token_ids, cache, cache_index, *args, **kwargs)
+        first = tf.cast(tf.equal(cache_index, 0), logits.dtype)
+        return logits + first * 100.0 * tf.one_hot(EOS_ID, tf.shape(logits)[-1], dtype=logits.dtype), cache
+
+    model.decode_step = eos_first_decode_step
+    return Translator(model, run_dir.load_tokenizer(tiny_translation_run))
+
+
+def test_no_sentence_translates_to_an_empty_string_whichever_signature(eos_first_translator, sentences, tmp_path):
+    translator = eos_first_translator
+    texts = sentences[:4] + [BAD_INPUTS[0]]
+    saved_model.save_translator(translator, tmp_path / "eos_first")
+    served = tf.saved_model.load(str(tmp_path / "eos_first")).signatures
+    for translate_fn, options_fn in (
+        (translator.translate, translator.translate_with_options),
+        (served["serving_default"], served["translate_with_options"]),
+    ):
+        best = translate(translate_fn, texts)["translation"]
+        assert all(text.strip() for text in best[:4]) and best[4] == b""
+        n_best = translate(options_fn, texts, beam_size=2, alpha=0.6, max_length=0)["translations"]
+        assert all(text.strip() for text in n_best[:4].ravel())
+        # min_length=0 lets the model's EOS come first: the check above means something.
+        empty = translate(options_fn, texts, beam_size=2, alpha=0.6, max_length=0, min_length=0)
+        assert list(empty["translation"]) == [b""] * 5
 
 
 def test_line_ends_tabs_and_outer_spaces_do_not_change_a_translation(served, sentences):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_transformer import LabelSmoothedCrossEntropy
 from keras_transformer.losses import label_smoothed_cross_entropy, sum_over_replicas, token_accuracy
 
 VOCAB = 5
@@ -162,3 +163,82 @@ def test_token_accuracy_matches_argmax_on_random_logits_and_counts_ties():
 
 def test_sum_over_replicas_is_the_value_outside_a_strategy():
     assert float(sum_over_replicas(tf.constant(7.0))) == 7.0
+
+
+# ---------------------------------------------------------------------------
+# LabelSmoothedCrossEntropy, the keras.losses.Loss
+# ---------------------------------------------------------------------------
+
+
+def hand_token_losses(labels, logits, eps, pad_id=0):
+    """`[batch, length]` label-smoothed cross entropy of every position, NaN on padding."""
+    log_probs = log_softmax(logits)
+    losses = np.full(labels.shape, np.nan)
+    for b, t in np.ndindex(labels.shape):
+        if labels[b, t] != pad_id:
+            losses[b, t] = -np.dot(smoothed_targets(labels[b, t], logits.shape[-1], eps), log_probs[b, t])
+    return losses
+
+
+def padded_batch(seed=3, vocab=7):
+    """Labels `[4, 6]` with 0, 2, 5 and 3 pads in its rows, and logits."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(1, vocab, size=(4, 6)).astype("int32")
+    for row, pads in enumerate([0, 2, 5, 3]):
+        labels[row, 6 - pads :] = 0
+    return labels, rng.normal(size=(4, 6, vocab)).astype("float32")
+
+
+def test_the_keras_loss_is_the_mean_over_the_real_tokens_of_the_batch():
+    """Sum of the token losses / number of real tokens: neither a mean over all positions nor over sentences."""
+    labels, logits = padded_batch()
+    token_losses = hand_token_losses(labels, logits, EPS)
+    expected = np.nansum(token_losses) / np.sum(labels != 0)
+    np.testing.assert_allclose(float(LabelSmoothedCrossEntropy(EPS)(labels, logits)), expected, rtol=1e-6)
+    # What the other readings would give, so the check above tells them apart.
+    assert abs(np.nansum(token_losses) / labels.size - expected) > 0.1
+    assert abs(np.nanmean(np.nanmean(token_losses, axis=1)) - expected) > 0.01
+
+
+def test_the_keras_loss_leaves_padding_out_of_its_other_reductions_and_with_sample_weights():
+    labels, logits = padded_batch(seed=4)
+    token_losses = hand_token_losses(labels, logits, EPS)
+    real = labels != 0
+    per_token = LabelSmoothedCrossEntropy(EPS, reduction=None)(labels, logits)
+    np.testing.assert_allclose(per_token, np.where(real, token_losses, 0.0), rtol=1e-6, atol=1e-7)
+    summed = LabelSmoothedCrossEntropy(EPS, reduction="sum")(labels, logits)
+    np.testing.assert_allclose(float(summed), np.nansum(token_losses), rtol=1e-6)
+
+    sentence_weights = np.array([[1.0], [2.0], [0.5], [0.0]], "float32")
+    weighted = np.nansum(token_losses * sentence_weights)
+    mean = LabelSmoothedCrossEntropy(EPS)(labels, logits, sample_weight=sentence_weights)
+    np.testing.assert_allclose(float(mean), weighted / real.sum(), rtol=1e-6)
+    weighted_mean = LabelSmoothedCrossEntropy(EPS, reduction="mean_with_sample_weight")
+    np.testing.assert_allclose(
+        float(weighted_mean(labels, logits, sample_weight=sentence_weights)),
+        weighted / np.sum(real * sentence_weights),
+        rtol=1e-6,
+    )
+
+
+def test_the_keras_loss_has_the_functions_gradient_over_the_number_of_real_tokens():
+    labels, logits = padded_batch(seed=5)
+    logits = tf.constant(logits)
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        loss = LabelSmoothedCrossEntropy(EPS)(labels, logits)
+    expected = hand_gradient(labels, logits.numpy(), EPS) / np.sum(labels != 0)
+    np.testing.assert_allclose(tape.gradient(loss, logits), expected, atol=1e-6)
+
+
+def test_the_keras_loss_round_trips_through_keras_serialization():
+    loss = LabelSmoothedCrossEntropy(0.2, pad_id=3, reduction="sum", name="smoothed")
+    restored = keras.losses.deserialize(keras.losses.serialize(loss))
+    assert type(restored) is LabelSmoothedCrossEntropy
+    assert restored.get_config() == loss.get_config()
+    labels, logits = padded_batch(seed=6)
+    labels[labels == 0] = 3  # the pad id of this loss
+    assert float(restored(labels, logits)) == pytest.approx(float(loss(labels, logits)), rel=1e-7)
+    np.testing.assert_allclose(
+        float(loss(labels, logits)), np.nansum(hand_token_losses(labels, logits, 0.2, pad_id=3)), rtol=1e-6
+    )

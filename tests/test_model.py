@@ -113,6 +113,19 @@ def test_mixed_precision_keeps_logits_and_attention_in_float32(policy):
     np.testing.assert_allclose(np.sum(scores, axis=-1), 1.0, atol=1e-5)
 
 
+@pytest.mark.parametrize("policy, tolerance", [("mixed_bfloat16", 3e-2), ("mixed_float16", 5e-3)])
+def test_mixed_precision_logits_are_the_float32_logits_on_the_same_weights(policy, tolerance):
+    source, target = random_ids((2, 6), 6), random_ids((2, 5), 7)
+    reference = Transformer.from_preset("tiny", vocab_size=VOCAB, dropout_rate=0.0)
+    expected = np.asarray(reference((source, target)))
+    mixed = Transformer.from_preset("tiny", vocab_size=VOCAB, dropout_rate=0.0, dtype=policy)
+    mixed((source, target))
+    mixed.set_weights(reference.get_weights())
+    logits = mixed((source, target))
+    assert logits.dtype == "float32"
+    np.testing.assert_allclose(logits, expected, atol=tolerance * np.abs(expected).max())
+
+
 def test_jit_compiled_forward_equals_eager(tiny_model):
     source, target = random_ids((2, 6), 8), random_ids((2, 5), 9)
     compiled = tf.function(lambda s, t: tiny_model((s, t)), jit_compile=True)

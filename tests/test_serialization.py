@@ -22,27 +22,69 @@ from keras_transformer import (
 )
 
 
+_RNG = np.random.default_rng(0)
+_SEQUENCE = _RNG.normal(size=(2, 5, 16)).astype("float32")
+_MEMORY = _RNG.normal(size=(2, 7, 16)).astype("float32")
+_IDS = np.array([[5, 9, 3, 3, 3], [7, 3, 3, 3, 3]], "int32")  # 3 pads them for SharedEmbedding(pad_id=3)
+_PAIR = (_RNG.integers(1, 50, size=(2, 6)).astype("int32"), _RNG.integers(1, 50, size=(2, 4)).astype("int32"))
+
+
 @pytest.mark.parametrize(
-    "layer",
+    "make_layer, inputs",
     [
-        MultiHeadAttention(4, key_dim=8, dropout_rate=0.1, use_bias=False),
-        PositionalEncoding(learned=True, max_length=64),
-        SharedEmbedding(100, 16),
-        FeedForward(16, 32, activation="gelu"),
-        LayerNormalization(epsilon=1e-5),
-        EncoderLayer(16, 4, 32, dropout_rate=0.2, norm_first=True),
-        DecoderLayer(16, 4, 32, layer_norm_epsilon=1e-5),
-        Encoder(num_layers=2, d_model=16, num_heads=4, d_ff=32, norm_first=True),
-        Decoder(num_layers=3, d_model=16, num_heads=2, d_ff=32),
-        Transformer(vocab_size=50, num_layers=1, d_model=16, num_heads=2, d_ff=32, learned_positions=True),
+        (lambda: MultiHeadAttention(4, key_dim=8, dropout_rate=0.1, use_bias=False), (_SEQUENCE, _MEMORY)),
+        (  # Keras's argument names
+            lambda: MultiHeadAttention(2, key_dim=8, value_dim=4, dropout=0.1, output_shape=(24,), seed=3),
+            (_SEQUENCE, _MEMORY),
+        ),
+        (lambda: PositionalEncoding(learned=True, max_length=64), (_SEQUENCE,)),
+        (lambda: SharedEmbedding(100, 16, pad_id=3), (_IDS,)),
+        (lambda: FeedForward(16, 32, activation="gelu"), (_SEQUENCE,)),
+        (lambda: LayerNormalization(epsilon=1e-2), (_SEQUENCE * 0.1,)),  # small variance: epsilon shows
+        (lambda: EncoderLayer(16, 4, 32, dropout_rate=0.2, norm_first=True), (_SEQUENCE,)),
+        (lambda: EncoderLayer(16, 4, 32, activation="gelu", dtype="mixed_bfloat16"), (_SEQUENCE,)),
+        (lambda: DecoderLayer(16, 4, 32, layer_norm_epsilon=1e-1), (_SEQUENCE, _MEMORY)),
+        (lambda: Encoder(num_layers=2, d_model=16, num_heads=4, d_ff=32, norm_first=True), (_SEQUENCE,)),
+        (lambda: Decoder(num_layers=3, d_model=16, num_heads=2, d_ff=32), (_SEQUENCE, _MEMORY)),
+        (
+            lambda: Transformer(vocab_size=50, num_layers=1, d_model=16, num_heads=2, d_ff=32, learned_positions=True),
+            (_PAIR,),
+        ),
     ],
-    ids=lambda layer: type(layer).__name__,
+    ids=[
+        "MultiHeadAttention",
+        "MultiHeadAttention-keras-names",
+        "PositionalEncoding",
+        "SharedEmbedding",
+        "FeedForward",
+        "LayerNormalization",
+        "EncoderLayer",
+        "EncoderLayer-mixed-bfloat16",
+        "DecoderLayer",
+        "Encoder",
+        "Decoder",
+        "Transformer",
+    ],
 )
-def test_config_round_trips(layer):
-    serialized = keras.saving.serialize_keras_object(layer)
-    restored = keras.saving.deserialize_keras_object(serialized)
+def test_config_round_trips(make_layer, inputs):
+    """Rebuilt from its serialised config, with the weights copied, a layer computes what the original does
+    (Keras mask included), and serialises to the same config again."""
+    layer = make_layer()
+    config = layer.get_config()
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
     assert type(restored) is type(layer)
-    assert restored.get_config() == layer.get_config()
+    assert restored.get_config() == config
+
+    expected = layer(*inputs)
+    restored(*inputs)  # builds it
+    restored.set_weights(layer.get_weights())
+    got = restored(*inputs)
+    assert got.dtype == expected.dtype
+    np.testing.assert_allclose(keras.ops.cast(got, "float32"), keras.ops.cast(expected, "float32"), atol=1e-6)
+    expected_mask, got_mask = getattr(expected, "_keras_mask", None), getattr(got, "_keras_mask", None)
+    assert (got_mask is None) == (expected_mask is None)
+    if expected_mask is not None:
+        np.testing.assert_array_equal(got_mask, expected_mask)
 
 
 def encoder_classifier(vocab=30, length=12, d_model=16):

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+import training_worker  # tests/ is on sys.path: pytest puts it there for this file
 
 from keras_transformer import data, distribution, run_dir
 from keras_transformer.model import Transformer
@@ -93,38 +94,116 @@ def _free_ports(count):
     return ports
 
 
-@pytest.mark.slow
-def test_two_workers_train_in_lockstep(tmp_path):
-    """Two processes under MultiWorkerMirroredStrategy on 127.0.0.1 end with the same weights."""
+def _start(mode, output, run, tf_config=None):
+    """A `training_worker.py` process in `mode`, its output (stdout and stderr) piped."""
+    env = {**os.environ, **({"TF_CONFIG": json.dumps(tf_config)} if tf_config else {})}
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), mode, str(output), str(run)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _start_two_worker_processes(mode, directory, run):
+    """Two `training_worker.py` processes in `mode` under MultiWorkerMirroredStrategy on 127.0.0.1.
+
+    Worker i writes `directory/worker{i}.npz`.
+    """
     workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
-    runs = tmp_path / "run"
-    processes = []
-    for index in range(2):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), "worker", str(tmp_path / f"worker{index}.npz"), str(runs)],
-                cwd=ROOT,
-                env={**os.environ, "TF_CONFIG": json.dumps(tf_config)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    return [
+        _start(mode, directory / f"worker{index}.npz", run,
+               {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+        for index in range(2)
+    ]
+
+
+def _wait_for(processes, timeout=SUBPROCESS_TIMEOUT):
+    """Waits for all `processes` (killing them all if one hangs) and asserts that each succeeded."""
     try:
-        outputs = [process.communicate(timeout=SUBPROCESS_TIMEOUT)[0] for process in processes]
+        outputs = [process.communicate(timeout=timeout)[0] for process in processes]
     finally:
         for process in processes:
             process.kill()
     for process, output in zip(processes, outputs):
         assert process.returncode == 0, output[-3000:]
-    chief, other = (np.load(tmp_path / f"worker{index}.npz") for index in range(2))
+
+
+@pytest.mark.slow
+def test_two_workers_train_in_lockstep(tmp_path):
+    """Two processes under MultiWorkerMirroredStrategy on 127.0.0.1 end with the same weights, and with
+    those of one process trained on the whole global batches (beyond float rounding)."""
+    runs = tmp_path / "run"
+    # The one-process reference trains meanwhile: this is mostly start-up and tracing time.
+    reference = _start("one", tmp_path / "one.npz", tmp_path / "one")
+    processes = [reference, *_start_two_worker_processes("worker", tmp_path, runs)]
+    _wait_for(processes)
+    one, chief, other = (np.load(tmp_path / name) for name in ("one.npz", "worker0.npz", "worker1.npz"))
     final, initial = _weights(chief, "final"), _weights(chief, "initial")
     for name, value in _weights(other, "final").items():
         np.testing.assert_array_equal(value, final[name], err_msg=name)
-    assert max(np.abs(final[name] - initial[name]).max() for name in final) > 100 * WEIGHT_TOLERANCE
+    for name, value in _weights(one, "initial").items():
+        np.testing.assert_array_equal(value, initial[name], err_msg=name)
+    _assert_same_weights(final, _weights(one, "final"), initial)
     # Only the chief writes into the run directory.
     assert [path.name for path in (runs / run_dir.CHECKPOINT_DIR).glob("*.index")] == ["ckpt-3.index"]
+
+
+def _overflow_states(*npz_files):
+    """`training_worker.py overflow` outputs as one `{step: {name: value}}` per replica (all workers')."""
+    replicas = {}
+    for index, npz in enumerate(npz_files):
+        for key in npz.files:
+            step, local, name = key.split("/")
+            replicas.setdefault((index, local), {}).setdefault(int(step.removeprefix("step")), {})[name] = npz[key]
+    return list(replicas.values())
+
+
+def _step_weights(states, step):
+    return [value for name, value in sorted(states[step].items()) if name.startswith("weight")]
+
+
+def _assert_every_replica_skipped_the_overflow(replicas):
+    """Replica 1 alone overflowed in step `OVERFLOW_STEP`: every replica skipped that step, and only it.
+
+    Skipped: no weight changed (no NaN reached them through the gradient sum), the loss scale
+    halved, the count of finite steps towards doubling it restarted, no update was counted.
+    """
+    assert len(replicas) == 2
+    first = replicas[0]
+    assert sorted(first) == list(range(training_worker.STEPS + 1))
+    for states in replicas:
+        for step in states:
+            assert all(np.isfinite(weight).all() for weight in _step_weights(states, step)), step
+            for name, value in states[step].items():
+                np.testing.assert_array_equal(value, first[step][name], err_msg=f"step {step}: {name}")
+    overflow = training_worker.OVERFLOW_STEP
+    steps = range(1, training_worker.STEPS + 1)
+    unchanged = [
+        all(map(np.array_equal, _step_weights(first, step - 1), _step_weights(first, step))) for step in steps
+    ]
+    assert unchanged == [step == overflow for step in steps]
+    initial_scale = float(first[0]["loss_scale"])
+    for step, states in first.items():
+        skipped = step >= overflow
+        assert float(states["loss_scale"]) == initial_scale / (2 if skipped else 1), step
+        assert int(states["growth_counter"]) == (step - overflow if skipped else step), step
+        assert int(states["updates"]) == step - skipped, step
+
+
+@pytest.mark.slow
+def test_float16_overflow_on_one_replica_skips_the_step_on_every_replica(tmp_path):
+    """Two replicas (logical CPUs), replica 1 overflows: Keras's LossScaleOptimizer took replica 0's
+    verdict and applied the summed gradient, turning every weight into NaN."""
+    _wait_for([_start("overflow", tmp_path / "states.npz", tmp_path / "run")])
+    _assert_every_replica_skipped_the_overflow(_overflow_states(np.load(tmp_path / "states.npz")))
+
+
+@pytest.mark.slow
+def test_float16_overflow_on_one_worker_skips_the_step_on_every_worker(tmp_path):
+    """Worker 1's replica overflows: each worker read its own first replica's verdict, and the one
+    that applied the step waited in a gradient all-reduce the other never joined."""
+    _wait_for(_start_two_worker_processes("overflow", tmp_path, tmp_path / "run"), timeout=120)
+    npz_files = [np.load(tmp_path / f"worker{index}.npz") for index in range(2)]
+    _assert_every_replica_skipped_the_overflow(_overflow_states(*npz_files))
 
 
 # --- Resuming -------------------------------------------------------------------------
@@ -248,6 +327,46 @@ def test_float16_steps_that_overflow_apply_no_update_and_the_logged_rate_follows
     schedule = TransformerSchedule(trainer.model.d_model, warmup_steps=20)
     assert rates[8] == pytest.approx(float(schedule(updates - 1)))
     assert rates[8] < float(schedule(7))  # the warm-up rate of step 8, which was not applied
+
+
+def _label_smoothed_losses(labels, logits, eps):
+    """Per-token `-sum_v q_v log softmax(logits)_v`, `q` being `1 - eps` on the label and `eps / (V - 1)` elsewhere."""
+    vocab_size = logits.shape[-1]
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    targets = np.full(logits.shape, eps / (vocab_size - 1))
+    np.put_along_axis(targets, labels[..., None], 1.0 - eps, axis=-1)
+    return -(targets * log_probs).sum(-1)
+
+
+def test_the_trainer_counts_and_scores_the_tokens_that_are_not_the_models_pad_id(tmp_path):
+    """A model whose padding is id 7: its step counts and scores every other label, 0 included."""
+    pad_id, vocab_size, eps = 7, 50, 0.1
+    rng = np.random.default_rng(0)
+    lengths = np.array([9, 6, 3, 7])
+    real = np.arange(9) < lengths[:, None]
+    labels = np.where(real, rng.integers(0, vocab_size, size=real.shape), pad_id)
+    labels[real & (labels == pad_id)] = 0  # 0 is an ordinary token here
+    labels[:, 0] = 0
+    source = np.where(real, rng.integers(8, vocab_size, size=real.shape), pad_id)
+    decoder_inputs = np.where(real, np.concatenate([np.full([4, 1], 2), labels[:, :-1]], axis=1), pad_id)
+    batch = ((source.astype("int32"), decoder_inputs.astype("int32")), labels.astype("int32"))
+    trainer = Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size, dropout_rate=0.0, pad_id=pad_id, dtype=dtype),
+        tmp_path / "run",
+        TrainingConfig(train_steps=1, warmup_steps=20, label_smoothing=eps),
+    )
+    logits = trainer.model(batch[0], training=False).numpy().astype("float64")  # the weights the step starts from
+
+    stream = trainer._training_stream(lambda input_context: tf.data.Dataset.from_tensors(batch), 0)
+    metrics = trainer._train_step(with_grad_norm=False)(iter(stream))
+
+    label_logits = np.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    assert float(metrics["tokens"]) == real.sum() == 25
+    expected_loss_sum = _label_smoothed_losses(labels, logits, eps)[real].sum()
+    assert float(metrics["loss_sum"]) == pytest.approx(expected_loss_sum, rel=1e-5)
+    assert float(metrics["correct"]) == (label_logits >= logits.max(-1))[real].sum()
 
 
 def test_only_cpu_strategies_count_as_cpu_only():

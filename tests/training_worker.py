@@ -7,11 +7,18 @@ own process.
     python tests/training_worker.py replicas OUT.npz RUN_DIR
         Trains the same steps on 1 replica and on 2 replicas (two logical CPUs, each
         replica half of every global batch) and saves both final weights.
+    python tests/training_worker.py one OUT.npz RUN_DIR
+        Trains the same steps on 1 replica (the whole global batch); saves the initial
+        and final weights.
     python tests/training_worker.py dropout OUT.npz -
         The dropout masks each of two replicas draws for the same input, on two steps.
     TF_CONFIG=... python tests/training_worker.py worker OUT.npz RUN_DIR
         One worker of a MultiWorkerMirroredStrategy run (each worker feeds half of every
-        global batch); saves its final weights.
+        global batch); saves its initial and final weights.
+    [TF_CONFIG=...] python tests/training_worker.py overflow OUT.npz RUN_DIR
+        A float16 run on 2 replicas (two logical CPUs, or one per worker under TF_CONFIG)
+        whose replica 1 alone overflows in step `OVERFLOW_STEP`; saves, before and after
+        every step, each local replica's weights and loss-scaling state.
 """
 
 import os
@@ -27,6 +34,7 @@ VOCAB_SIZE = 40
 GLOBAL_BATCH = 8
 LENGTH = 9
 STEPS = 3
+OVERFLOW_STEP = 2
 
 
 def global_batches(num_steps=STEPS, seed=0):
@@ -69,8 +77,8 @@ def dataset_fn(input_context):
     return tf.data.Dataset.choose_from_datasets(steps, tf.data.Dataset.range(local).repeat(STEPS))
 
 
-def train(strategy, run_dir):
-    """Trains the tiny model for `STEPS` steps; returns its initial and final weights."""
+def make_trainer(strategy, run_dir, mixed_precision="none"):
+    """A seeded `Trainer` of the tiny model without dropout, for `STEPS` steps."""
     import keras
 
     from keras_transformer.model import Transformer
@@ -78,17 +86,76 @@ def train(strategy, run_dir):
 
     keras.utils.set_random_seed(0)
     config = TrainingConfig(
-        train_steps=STEPS, warmup_steps=10, log_every=1, checkpoint_every=STEPS, max_minutes=10
+        train_steps=STEPS, warmup_steps=10, log_every=1, checkpoint_every=STEPS, max_minutes=10,
+        mixed_precision=mixed_precision,
     )
-    trainer = Trainer(
+    return Trainer(
         strategy,
         lambda dtype: Transformer.from_preset("tiny", VOCAB_SIZE, dropout_rate=0.0, dtype=dtype),
         run_dir,
         config,
     )
+
+
+def train(strategy, run_dir):
+    """Trains the tiny model for `STEPS` steps; returns its initial and final weights."""
+    trainer = make_trainer(strategy, run_dir)
     initial = _weights(trainer.model)
     trainer.fit(dataset_fn)
     return initial, _weights(trainer.model)
+
+
+def overflow_run(strategy, run_dir):
+    """A float16 run whose replica 1 alone overflows in step `OVERFLOW_STEP`, step by step.
+
+    Returns:
+        `{f"step{s}/local{r}/{name}": value}`: before (s = 0) and after each step s, local
+        replica r's trainable weights (`weight000`, ...), loss scale, count of finite
+        steps towards growing it (`growth_counter`), and count of updates applied.
+    """
+    trainer = make_trainer(strategy, run_dir, mixed_precision="fp16")
+    _overflow_on_replica_1(trainer, OVERFLOW_STEP)
+    # Step by step rather than `fit`, to read every replica's state between steps.
+    iterator = iter(trainer._training_stream(dataset_fn, 0))
+    train_step = trainer._train_step(with_grad_norm=False)
+    states = _replica_states(trainer, 0)
+    for step in range(1, STEPS + 1):
+        train_step(iterator)
+        states.update(_replica_states(trainer, step))
+    trainer._cleanup_worker_checkpoints()
+    return states
+
+
+def _overflow_on_replica_1(trainer, step):
+    """Makes one gradient of replica 1 infinite in `step` (from 1), as a float16 overflow there alone would."""
+    import tensorflow as tf
+
+    gradients = trainer._gradients  # read by the step function when it is traced
+
+    def overflowing(source_ids, decoder_inputs, labels, global_tokens):
+        grads, loss_sum, correct = gradients(source_ids, decoder_inputs, labels, global_tokens)
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        hit = tf.logical_and(tf.equal(replica, 1), tf.equal(trainer.step, step - 1))
+        first = tf.convert_to_tensor(grads[0])  # an embedding's gradient may be IndexedSlices
+        return [first + tf.where(hit, float("inf"), 0.0), *grads[1:]], loss_sum, correct
+
+    trainer._gradients = overflowing
+
+
+def _replica_states(trainer, step):
+    """The state `overflow_run` records after `step`, for every local replica."""
+    optimizer = trainer.optimizer
+    tracked = {
+        "loss_scale": optimizer.dynamic_scale,
+        "growth_counter": optimizer.step_counter,
+        "updates": optimizer.iterations,
+        **{f"weight{index:03d}": variable for index, variable in enumerate(trainer.model.trainable_variables)},
+    }
+    return {
+        f"step{step}/local{replica}/{name}": value.numpy()
+        for name, variable in tracked.items()
+        for replica, value in enumerate(trainer.strategy.experimental_local_results(variable.value))
+    }
 
 
 def dropout_masks(strategy, steps=2):
@@ -127,9 +194,17 @@ def main(mode, output, run_dir):
         distribution.split_cpu(2)
         np.savez(output, **dropout_masks(distribution.make_strategy(["CPU:0", "CPU:1"])))
         return
+    elif mode == "one":
+        initial, final = train(distribution.make_strategy(["CPU:0"]), run_dir)
+        runs = {"initial": initial, "final": final}
     elif mode == "worker":
         initial, final = train(distribution.make_strategy(), run_dir)
         runs = {"initial": initial, "final": final}
+    elif mode == "overflow":
+        # One replica per worker under TF_CONFIG, else two logical CPUs.
+        devices = None if distribution.cluster_task_count() > 1 else ["CPU:0", "CPU:1"]
+        np.savez(output, **overflow_run(distribution.make_strategy(devices), run_dir))
+        return
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     np.savez(output, **{f"{run}/{name}": value for run, weights in runs.items() for name, value in weights.items()})
