@@ -1,16 +1,39 @@
 """Train a Transformer translation model with the recipe of "Attention Is All You Need".
 
-    MULTI30K_DIR=../shared/data/multi30k python train.py      # small preset, ~10 min on 2 CPU cores
+    MULTI30K_DIR=../shared/data/multi30k python train.py      # small preset: 800 steps, ~10 min on 2 CPU cores
     python train.py --preset medium                            # best Multi30k BLEU in ~1 hour on CPU
     python train.py --preset base --dataset wmt14              # the paper's base model (GPUs)
     python train.py --run-dir RUN                              # resume RUN, or re-evaluate it if done
+    python train.py --config RUN/config.json --run-dir NEW     # RUN's settings again, in NEW
+    python train.py --eval-every 100 --patience 3              # stop once validation BLEU stops improving
     python train.py --run-dir RUN --average-last 5 --average-only
 
-Every setting comes, in this order, from its flag, from the run directory's saved
-`config.json` (when resuming), or from the preset's recipe (`RECIPES`). Settings that
-fix the model, the vocabulary or the data stream cannot change in an existing run
-directory: asking for another value is an error, reported before anything is trained
-or written. See `python train.py --help` for every flag.
+Every setting comes, in this order, from its flag, from the `--config` file, from the
+run directory's saved `config.json` (when resuming), or from the preset's recipe
+(`RECIPES`). Settings that fix the model, the vocabulary or the data stream (`PINNED`)
+cannot change in an existing run directory: asking for another value, by flag or in the
+file, is an error, reported before anything is trained or written. See
+`python train.py --help` for every flag.
+
+A `--config` file is JSON or YAML (by its extension, .json, .yaml or .yml, else by its
+text) with the keys and the layout of a run's config.json, any of them left out: `data`
+(corpus, source_lang, target_lang, vocab_size, max_length, long_sentences,
+token_budget), `train` (preset and the other saved settings, each under its flag's name:
+train_steps, max_minutes, patience, ...) and `model` (dropout_rate, the --dropout). So a
+run's config.json given back trains the same run. A value must be one its flag takes;
+`null` stands for a flag left out where that means something (epochs, max_minutes: no
+time budget, source_lang and target_lang: the corpus's). Of train_steps and a non-null
+epochs, epochs counts (the config.json of an --epochs run holds both). What a run
+records rather than chooses is checked, never used as a setting: `train.replicas` (a run
+resumes on as many replicas as it trained on, whatever the file says) and the `model`
+keys other than dropout_rate, which the preset and the vocabulary size determine (any
+other value is an error: train.py trains the presets' architectures). An unknown key or
+a wrong value is one error naming the file and the key.
+
+With --eval-every N, a run keeps the checkpoint of its best validation BLEU in RUN/best,
+whatever checkpoints RUN/checkpoints rotates out; it is the run's model (the test,
+translate.py, export) unless the average of --average-last translates the validation
+sentences better. --patience stops the training once validation BLEU stops improving.
 """
 
 import os
@@ -25,7 +48,9 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import argparse  # noqa: E402
+import difflib  # noqa: E402
 import faulthandler  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import signal  # noqa: E402
@@ -45,14 +70,15 @@ RECIPES = {
         train_steps=200, max_minutes=None, token_budget=1024, warmup_steps=100, learning_rate_scale=1.0,
         log_every=20, checkpoint_every=100, keep_checkpoints=3, eval_every=0, average_last=0, bleu_sentences=100,
     ),
-    # The default: ~10 minutes in all on a 2-core CPU (training stops at its time budget).
-    # Half the other presets' batch, for twice the updates in the budget. Warm-up 1600, not
-    # 800: after as many tokens, the rate is 1/sqrt(2) of the one with 4,096-token batches
-    # (square-root scaling for half the batch). After the same ~1.1M target tokens (about 9
-    # minutes on a 2-core AVX2 EPYC): validation loss 4.054 and test BLEU 21.4, against
-    # 4.554 and 10.5 with 4,096-token batches (README, *Results*).
+    # The default: 800 steps, about 10 minutes in all on a 2-core AVX-512 CPU. A number of steps,
+    # not a time budget, so that every machine trains the same model (up to float rounding).
+    # Half the other presets' batch, for twice the updates. Warm-up 1600, not 800: after as
+    # many tokens, the rate is 1/sqrt(2) of the one with 4,096-token batches (square-root
+    # scaling for half the batch). After the same ~1.1M target tokens (about 9 minutes on a
+    # 2-core AVX2 EPYC): validation loss 4.054 and test BLEU 21.4, against 4.554 and 10.5
+    # with 4,096-token batches (README, *Results*).
     "small": dict(
-        train_steps=8000, max_minutes=8.0, token_budget=2048, warmup_steps=1600, learning_rate_scale=2.0,
+        train_steps=800, max_minutes=None, token_budget=2048, warmup_steps=1600, learning_rate_scale=2.0,
         log_every=25, checkpoint_every=200, keep_checkpoints=5, eval_every=0, average_last=0, bleu_sentences=200,
     ),
     # Best Multi30k BLEU in about an hour of CPU training.
@@ -85,7 +111,7 @@ DATASET_DEFAULTS = {
 
 GENERAL_DEFAULTS = dict(
     long_sentences="filter", seed=0, label_smoothing=0.1, beam_size=4, alpha=0.6, mixed_precision="none",
-    jit_compile=False,
+    jit_compile=False, patience=0,
 )
 
 # Settings that fix the model, the vocabulary or the data stream of a run: resuming
@@ -112,8 +138,14 @@ SAVED = (
     "token_budget", "seed", "dropout", "warmup_steps", "learning_rate_scale", "label_smoothing", "mixed_precision",
     "jit_compile",
     "train_steps", "epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
-    "average_last", "bleu_sentences", "beam_size", "alpha", "replicas",
+    "patience", "average_last", "bleu_sentences", "beam_size", "alpha", "replicas",
 )
+# config.json's (section, key) -> the setting saved there.
+_SETTING_AT = {_CONFIG_LOCATIONS.get(name, ("train", name)): name for name in SAVED}
+# Settings that may be None, `null` in a --config file: a flag whose absence means something.
+_NULLABLE = ("epochs", "max_minutes", "source_lang", "target_lang", "replicas")
+# Flags of one command, not settings of the run: no key of a config file.
+_PER_COMMAND = ("config", "data_dir", "devices", "connect_timeout_minutes", "run_dir", "average_only")
 
 
 class SettingsError(ValueError):
@@ -220,7 +252,7 @@ def build_parser():
     how.add_argument("--max-minutes", type=non_negative_float, default=None,
                      help="Time budget of this command's training loop: when exceeded, training stops "
                           "cleanly after a checkpoint and goes on to the final evaluation. 0: no budget. "
-                          "[small: 8, medium: 60, else none]")
+                          "[medium: 60, else none]")
     how.add_argument("--token-budget", type=positive_int, default=None,
                      help="Padded tokens per batch and side, PER REPLICA (the global batch is this "
                           f"times the number of replicas). [the preset's: {_recipe_values('token_budget')}] "
@@ -249,6 +281,11 @@ def build_parser():
 
     run = parser.add_argument_group("run directory, logging and evaluation")
     run.add_argument("--run-dir", default=None, help="Where the run lives. [runs/DATASET-PRESET]")
+    run.add_argument("--config", default=None, metavar="FILE",
+                     help="Settings from a JSON or YAML file with the keys and layout of a run's config.json "
+                          "(a run's config.json given back trains the same run): flags override it, it "
+                          "overrides the run directory's saved settings and the recipe. Keys: see train.py's "
+                          "docstring.")
     run.add_argument("--log-every", type=positive_int, default=None,
                      help="Steps between progress lines and TensorBoard training summaries.")
     run.add_argument("--checkpoint-every", type=positive_int, default=None,
@@ -256,14 +293,20 @@ def build_parser():
     run.add_argument("--keep-checkpoints", type=positive_int, default=None, help="Checkpoints to keep.")
     run.add_argument("--eval-every", type=non_negative_int, default=None,
                      help="Steps between validations (loss, perplexity, accuracy, BLEU on the first "
-                          "--bleu-sentences validation sentences, attention images); 0: only at the end.")
+                          "--bleu-sentences validation sentences, attention images); 0: only at the end. "
+                          "With N, the run keeps the checkpoint of its best validation BLEU in RUN/best.")
+    run.add_argument("--patience", type=non_negative_int, default=None,
+                     help="Stop training once N validations in a row (--eval-every) have not improved on the "
+                          "best validation BLEU; the run's model is then its best checkpoint (or the average "
+                          "of --average-last, if it translates better). 0: train all steps. [0]")
     run.add_argument("--bleu-sentences", type=non_negative_int, default=None,
                      help="Validation sentences translated for the validation BLEU (0: none).")
     run.add_argument("--average-last", type=non_negative_int, default=None,
                      help="Average the last N checkpoints into RUN/averaged for the final evaluation "
-                          "(paper: 5 for base, 20 for big), kept only if its validation BLEU is at least "
-                          "the last checkpoint's (kept unchecked when there is no validation BLEU: "
-                          "--bleu-sentences 0). At most --keep-checkpoints. 0: use the last checkpoint. "
+                          "(paper: 5 for base, 20 for big), kept only if its validation BLEU is at least that "
+                          "of the last checkpoint, or of the best one in a run that keeps it (--eval-every N); "
+                          "kept unchecked when there is no validation BLEU (--bleu-sentences 0). At most "
+                          "--keep-checkpoints. 0: use the last checkpoint (or the best one). "
                           f"[the preset's: {_recipe_values('average_last')}]")
     run.add_argument("--average-only", action="store_true",
                      help="Only average the last --average-last checkpoints of --run-dir, then exit.")
@@ -273,19 +316,23 @@ def build_parser():
 
 
 def resolve_settings(args):
-    """The run's settings: flags, else the saved config.json, else the recipe.
+    """The run's settings: flags, else the --config file, else the saved config.json, else the recipe.
 
     Returns:
         `(settings dict, run directory Path, saved config dict or None)`.
 
     Raises:
-        SettingsError: For flags in conflict with the run directory or with each other.
+        SettingsError: For flags or a --config file in conflict with the run directory or
+            with each other, and for a --config file that cannot be read or holds a
+            wrong key or value.
     """
     from keras_transformer import run_dir as run_dir_lib
 
     explicit = {name: value for name, value in vars(args).items() if value is not None and name in SAVED}
-    dataset = args.dataset or "multi30k"
-    preset = args.preset or "small"
+    from_file, model_keys = config_file_settings(args.config) if args.config is not None else ({}, {})
+    requested = {**from_file, **explicit}
+    dataset = requested.get("dataset", "multi30k")
+    preset = requested.get("preset", "small")
     run = Path(args.run_dir or Path("runs") / f"{dataset}-{preset}")
     if run.exists() and not run.is_dir():
         raise SettingsError(f"--run-dir {run} is a file, not a directory.")
@@ -296,28 +343,19 @@ def resolve_settings(args):
     else:
         saved = _saved_settings(saved_config)
     for name in PINNED:
-        if name in explicit and name in saved and explicit[name] != saved[name]:
+        if name in requested and name in saved and requested[name] != saved[name]:
+            if name in explicit:
+                given, advice = "", f"leave out --{_flag(name)}"
+            else:
+                given, advice = f" ({_config_key(name)} of --config {args.config})", f"leave {_config_key(name)} out"
             raise SettingsError(
-                f"{run} was trained with --{_flag(name)} {saved[name]}, not {explicit[name]}; use another "
-                f"--run-dir, or leave out --{_flag(name)} to continue this run."
+                f"{run} was trained with --{_flag(name)} {saved[name]}, not {requested[name]}{given}; use another "
+                f"--run-dir, or {advice} to continue this run."
             )
-    dataset = explicit.get("dataset", saved.get("dataset", "multi30k"))
-    preset = explicit.get("preset", saved.get("preset", "small"))
-    from keras_transformer.presets import get_preset
-
-    defaults = {
-        **GENERAL_DEFAULTS,
-        **DATASET_DEFAULTS[dataset],
-        **RECIPES[preset],
-        "dropout": get_preset(preset)["dropout_rate"],
-        "epochs": None,
-        "source_lang": None,
-        "target_lang": None,
-        "replicas": None,
-    }
-    settings = {**defaults, **saved, **explicit, "preset": preset, "dataset": dataset}
-    if "train_steps" in explicit:
-        settings["epochs"] = None
+    settings = _layered(saved, from_file, explicit)
+    dataset = settings["dataset"]
+    if model_keys:  # Checked against the file's own settings: flags may change what they determine.
+        _check_model_keys(model_keys, _layered(saved, from_file), args.config)
     if settings["max_minutes"] == 0:
         settings["max_minutes"] = None
     if settings["max_length"] < 2:
@@ -336,6 +374,7 @@ def resolve_settings(args):
     if dataset == "files" and not (settings["source_lang"] and settings["target_lang"]):
         raise SettingsError("--dataset files needs --source-lang and --target-lang (the file suffixes).")
     _check_direction(settings)
+    _check_patience(settings)
     if settings["average_last"] > settings["keep_checkpoints"]:
         # An error rather than averaging fewer: the number averaged is part of the recipe,
         # and finding out after the training would be too late to keep more checkpoints.
@@ -350,8 +389,208 @@ def resolve_settings(args):
     return settings, run, saved_config
 
 
+def _layered(*layers):
+    """The settings of `layers` of `{name: value}`, each over the ones before, over the recipe of their preset."""
+    from keras_transformer.presets import get_preset
+
+    chosen = {}
+    for layer in layers:
+        chosen.update(layer)
+        if "train_steps" in layer and "epochs" not in layer:
+            chosen["epochs"] = None  # A length in steps replaces a length in epochs from below.
+    dataset, preset = chosen.get("dataset", "multi30k"), chosen.get("preset", "small")
+    defaults = {
+        **GENERAL_DEFAULTS,
+        **DATASET_DEFAULTS[dataset],
+        **RECIPES[preset],
+        "dropout": get_preset(preset)["dropout_rate"],
+        "epochs": None,
+        "source_lang": None,
+        "target_lang": None,
+        "replicas": None,
+    }
+    return {**defaults, **chosen, "preset": preset, "dataset": dataset}
+
+
+def _check_patience(settings):
+    """--patience counts validations with a BLEU: it needs --eval-every and --bleu-sentences."""
+    patience = settings["patience"]
+    if patience and not settings["eval_every"]:
+        raise SettingsError(
+            f"--patience {patience} counts validations, but --eval-every is 0 (one validation, at the end): "
+            "give --eval-every N, or --patience 0."
+        )
+    if patience and not settings["bleu_sentences"]:
+        raise SettingsError(
+            f"--patience {patience} watches the validation BLEU, but --bleu-sentences is 0 (no BLEU): give "
+            "--bleu-sentences N, or --patience 0."
+        )
+
+
 def _flag(name):
     return name.replace("_", "-")
+
+
+def _config_key(name):
+    """'train.max_minutes': where config.json keeps setting `name`."""
+    return ".".join(_CONFIG_LOCATIONS.get(name, ("train", name)))
+
+
+def read_config_file(path):
+    """The mapping of a --config file: JSON by the extension .json, YAML by .yaml or .yml, else by its text."""
+    path = Path(path)
+    where = f"--config {path}"
+    if path.is_dir():
+        raise SettingsError(f"{where} is a directory; give a file, such as {path / 'config.json'}.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SettingsError(f"{where}: cannot read it ({getattr(error, 'strerror', None) or error}).") from None
+    suffix = path.suffix.lower()
+    if suffix == ".json" or (suffix not in (".yaml", ".yml") and _is_json(text)):
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise SettingsError(f"{where}: not valid JSON ({error}).") from None
+    else:
+        config = _load_yaml(text, where)
+    if config is None:  # An empty YAML file: no setting.
+        return {}
+    if not isinstance(config, dict):
+        raise SettingsError(f"{where}: must hold a mapping of sections (data, train, model), got {_shown(config)}.")
+    return config
+
+
+def _is_json(text):
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _load_yaml(text, where):
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        place = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        reason = getattr(error, "problem", None) or " ".join(str(error).split())
+        raise SettingsError(f"{where}: not valid YAML ({reason}{place}).") from None
+
+
+def config_file_settings(path):
+    """The settings of the --config file `path`, checked as their flags check them.
+
+    Returns:
+        `({setting: value}, {model key: value})`: the settings, and the `model` keys that
+        the preset determines (see `_check_model_keys`). `train.replicas` is checked and
+        left out: it records what a run trained on.
+
+    Raises:
+        SettingsError: Naming the file and the key, for an unknown key or a wrong value.
+    """
+    from keras_transformer.run_dir import MODEL_KEYS
+
+    where = f"--config {path}"
+    actions = {action.dest: action for action in build_parser()._actions}
+    settings, model_keys = {}, {}
+    for section, values in read_config_file(path).items():
+        if section not in ("data", "train", "model"):
+            raise SettingsError(f"{where}: unknown section {section!r}; a run's config.json has data, train and model.")
+        if not isinstance(values, dict):
+            raise SettingsError(f"{where}: {section} must be a mapping of keys to values, got {_shown(values)}.")
+        for key, value in values.items():
+            name = _SETTING_AT.get((section, key))
+            label = f"{where}: {section}.{key}"
+            if name is None and section == "model" and key in MODEL_KEYS:
+                model_keys[key] = value
+            elif name is None:
+                raise SettingsError(f"{where}: {_unknown_key(section, key)}")
+            elif name == "replicas":  # No flag: the count of replicas, as --train-steps counts steps.
+                _checked_value(value, actions["train_steps"], label, nullable=True)
+            else:
+                settings[name] = _checked_value(value, actions[name], label, nullable=name in _NULLABLE)
+    return settings, model_keys
+
+
+def _unknown_key(section, key):
+    """The error for `section.key`, with the key meant if there is a close one."""
+    from keras_transformer.run_dir import MODEL_KEYS
+
+    message = f"unknown key {section}.{key}"
+    if str(key).replace("-", "_") in _PER_COMMAND:
+        return f"{message}: --{_flag(str(key))} is no setting of the run, give it on the command line."
+    known = [f"{place}.{name}" for place, name in _SETTING_AT] + [f"model.{name}" for name in MODEL_KEYS]
+    elsewhere = [place_key for place_key in known if place_key.split(".")[1] == key]  # A key in another section.
+    close = elsewhere or difflib.get_close_matches(f"{section}.{key}", known, n=1, cutoff=0.75)
+    if close:
+        return f"{message}; did you mean {close[0]}?"
+    keys = sorted(place_key.split(".")[1] for place_key in known if place_key.startswith(f"{section}."))
+    return f"{message}; {section} takes {', '.join(keys)}."
+
+
+# The flags' value checks, by kind: what a --config value must be before that check.
+_INTEGER_CHECKS = (positive_int, non_negative_int, seed)
+_NUMBER_CHECKS = (positive_float, non_negative_float, probability)
+
+
+def _checked_value(value, action, label, nullable):
+    """`value` checked as the flag `action` checks its text; a SettingsError starting with `label` if wrong."""
+    if value is None and nullable:
+        return None
+    if isinstance(action, argparse.BooleanOptionalAction):
+        kind, fits = "true or false", isinstance(value, bool)
+    elif action.choices:
+        kind, fits = f"one of {', '.join(action.choices)}", isinstance(value, str) and value in action.choices
+    elif action.type in _INTEGER_CHECKS:
+        kind, fits = "an integer", isinstance(value, int) and not isinstance(value, bool)
+    elif action.type in _NUMBER_CHECKS:
+        kind, fits = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        kind, fits = "a string", isinstance(value, str)
+    if not fits:
+        # YAML 1.1 reads yes, no, on and off as booleans: Norwegian's code, `no`, among them.
+        quote = isinstance(value, bool) and (action.type is None or action.choices)
+        hint = " (quote it: YAML reads yes, no, on and off as true or false)" if quote else ""
+        raise SettingsError(f"{label} must be {kind}, got {_shown(value)}{hint}.")
+    if action.type is None:
+        return value
+    try:
+        return action.type(str(value))
+    except argparse.ArgumentTypeError as error:
+        raise SettingsError(f"{label} {error}.") from None
+
+
+def _shown(value):
+    """`value` as a config file writes it: "ten", 8, null, [1, 2]."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):  # YAML's dates, and the like.
+        return repr(value)
+
+
+def _check_model_keys(model_keys, settings, path):
+    """The `model` keys of a --config file (but dropout_rate) must be those of the model `settings` build.
+
+    Those keys describe the model that the preset and the vocabulary size determine: a run's
+    config.json holds them, and passes; another value, which would not be the model trained, fails.
+    """
+    from keras_transformer import run_dir as run_dir_lib
+    from keras_transformer.model import Transformer
+
+    built = run_dir_lib.model_config(
+        Transformer.from_preset(settings["preset"], settings["vocab_size"], dropout_rate=settings["dropout"])
+    )
+    for key, value in model_keys.items():
+        if value != built[key] or isinstance(value, bool) != isinstance(built[key], bool):
+            raise SettingsError(
+                f"--config {path}: model.{key} is {_shown(value)}, but the {settings['preset']} preset with vocab_size "
+                f"{settings['vocab_size']} has {_shown(built[key])}: train.py trains the presets' "
+                f"models (leave model.{key} out, or choose another train.preset)."
+            )
 
 
 def _saved_settings(config):
@@ -586,6 +825,52 @@ def average_only(run, settings):
     return 0
 
 
+def average_against_best(run, corpus, settings):
+    """Averages the last checkpoints, and keeps the average only if it translates better than the best checkpoint.
+
+    For a run that keeps the checkpoint of its best validation BLEU (`run_dir.best_checkpoint`):
+    `average_if_better`, with that checkpoint in the place of the latest one. The run's model
+    (`run_dir.checkpoint_path(run, "best")`, which the test, translate.py and export use) is
+    then the better of the two on the first --bleu-sentences validation sentences; without
+    validation sentences, the average, unchecked.
+    """
+    import shutil
+
+    from keras_transformer import run_dir as run_dir_lib
+
+    averaged_path, averaged = run_dir_lib.average_checkpoints(run, settings["average_last"])
+    logger.info("Averaged the last %d checkpoints (%s) into %s", len(averaged),
+                ", ".join(Path(p).name for p in averaged), averaged_path)
+    best_path, _ = run_dir_lib.best_checkpoint(run)
+    pairs = list(corpus.validation or [])[: settings["bleu_sentences"]]
+    if not pairs:
+        return
+    averaged_bleu, best_bleu = (
+        _validation_bleu(run, which, pairs, corpus.target_lang, settings) for which in (averaged_path, best_path)
+    )
+    best_name = "/".join(Path(best_path).parts[-2:])
+    logger.info("Validation BLEU (%d sentences): averaged %.2f, best checkpoint (%s) %.2f.", len(pairs),
+                averaged_bleu, best_name, best_bleu)
+    if averaged_bleu < best_bleu:
+        shutil.rmtree(run / run_dir_lib.AVERAGED_DIR)
+        logger.info("Dropped the averaged checkpoint: %s translates better, and is the run's model.", best_name)
+    else:
+        logger.info("The averaged checkpoint translates at least as well: it is the run's model.")
+
+
+def _validation_bleu(run, which, pairs, target_lang, settings):
+    """BLEU of checkpoint `which` of the run on the validation `pairs`."""
+    from keras_transformer import evaluation, run_dir as run_dir_lib
+
+    sources, references = (list(side) for side in zip(*pairs))
+    translations = evaluation.translate(
+        run_dir_lib.load_model(run, which), run_dir_lib.load_tokenizer(run), sources, beam_size=settings["beam_size"],
+        alpha=settings["alpha"], max_length=settings["max_length"],
+        on_batch=translation_progress(f"validation sentences ({'/'.join(Path(which).parts[-2:])})"),
+    )
+    return evaluation.corpus_bleu(translations, references, target_lang).score
+
+
 def average_if_better(run, corpus, settings):
     """Averages the last checkpoints, and keeps the average only if it translates better.
 
@@ -614,17 +899,18 @@ def average_if_better(run, corpus, settings):
             alpha=settings["alpha"], max_length=settings["max_length"],
             on_batch=translation_progress(f"validation sentences ({which} checkpoint)"),
         )
-        scores[which] = evaluation.corpus_bleu(translations, references, corpus.target_lang).score
-    logger.info("Validation BLEU (%d sentences): averaged %.2f, latest %.2f.", len(pairs), scores["averaged"],
-                scores["latest"])
-    if scores["averaged"] < scores["latest"]:
+        scores[which] = evaluation.corpus_scores(translations, references, corpus.target_lang)
+    averaged, latest = scores["averaged"], scores["latest"]
+    logger.info("Validation BLEU (%d sentences): averaged %.2f, latest %.2f (chrF %.2f, %.2f).", len(pairs),
+                averaged.bleu.score, latest.bleu.score, averaged.chrf.score, latest.chrf.score)
+    if averaged.bleu.score < latest.bleu.score:  # BLEU decides; chrF is for information.
         shutil.rmtree(run / run_dir_lib.AVERAGED_DIR)
         logger.info("Dropped the averaged checkpoint: the latest one translates better "
                     "(python train.py --run-dir %s --average-only --average-last N writes it again).", run)
 
 
 def final_evaluation(run, corpus, settings):
-    """Averages the last checkpoints (if asked and better), then test BLEU with beam search; writes translations."""
+    """Averages the last checkpoints (if asked and better); test BLEU, chrF and translations with beam search."""
     import tensorflow as tf
 
     from keras_transformer import evaluation, run_dir as run_dir_lib
@@ -647,13 +933,14 @@ def final_evaluation(run, corpus, settings):
         model, tokenizer, sources, beam_size=settings["beam_size"], alpha=settings["alpha"],
         max_length=settings["max_length"], on_batch=translation_progress("test sentences"),
     )
-    bleu = evaluation.corpus_bleu(translations, references, corpus.target_lang)
+    scores = evaluation.corpus_scores(translations, references, corpus.target_lang)
     output = run / run_dir_lib.TRANSLATIONS_DIR / f"test.{corpus.target_lang}"
     evaluation.write_lines(output, translations)
     with tf.summary.create_file_writer(str(run / run_dir_lib.LOG_DIR / "test")).as_default():
-        tf.summary.scalar("bleu", bleu.score, step=run_dir_lib.checkpoint_step(which))
-    logger.info("Test BLEU (%s, %d sentences, %.0fs): %s", name, len(sources),
-                time.monotonic() - started, bleu)
+        for tag, value in scores.metrics().items():
+            tf.summary.scalar(tag, value, step=run_dir_lib.checkpoint_step(which))
+    logger.info("Test BLEU and chrF (%s, %d sentences, %.0fs):\n  %s", name, len(sources),
+                time.monotonic() - started, str(scores).replace("\n", "\n  "))
     logger.info("Translations: %s", output)
     for source, reference, translation in list(zip(sources, references, translations))[:3]:
         logger.info("  source:      %s\n  reference:   %s\n  translation: %s", source, reference, translation)
@@ -752,6 +1039,11 @@ def train(args):
     keras.utils.set_random_seed(settings["seed"])
     corpus = load_corpus(settings, args.data_dir)
     settings["source_lang"], settings["target_lang"] = corpus.source_lang, corpus.target_lang
+    if settings["patience"] and not corpus.validation:
+        raise SettingsError(
+            f"--patience {settings['patience']} watches the validation BLEU, but the {settings['dataset']} corpus "
+            "has no validation split."
+        )
     is_chief = distribution.is_chief(strategy)
     tokenizer = prepare_tokenizer(run, corpus, settings, strategy)
     if settings["epochs"] is not None:
@@ -775,6 +1067,7 @@ def train(args):
         checkpoint_every=settings["checkpoint_every"],
         keep_checkpoints=settings["keep_checkpoints"],
         eval_every=settings["eval_every"],
+        patience=settings["patience"],
         mixed_precision=settings["mixed_precision"],
         jit_compile=settings["jit_compile"],
     )
@@ -815,11 +1108,18 @@ def train(args):
         logger.info("Trained steps %d-%d in %s%s.", result.start_step + 1, result.step,
                     format_duration(result.seconds), speed)
     if is_chief:
-        final_evaluation(run, corpus, settings)
+        if settings["average_last"] and run_dir_lib.best_checkpoint(run):
+            average_against_best(run, corpus, settings)
+            final_evaluation(run, corpus, {**settings, "average_last": 0})  # Averaged and chosen: only the test.
+        else:
+            final_evaluation(run, corpus, settings)
     if result.stopped_early:
         logger.info("The time budget (--max-minutes %g) stopped the run at step %d of %d; run the same command "
                     "again to continue training from there.", settings["max_minutes"], result.step,
                     settings["train_steps"])
+    if result.out_of_patience:
+        logger.info("--patience %d stopped the run at step %d of %d; a larger --patience (or 0) continues its "
+                    "training.", settings["patience"], result.step, settings["train_steps"])
     return 0
 
 

@@ -3,25 +3,40 @@
     python translate.py --run-dir runs/multi30k-small "A man is riding a bike."
     python translate.py --saved-model models/transformer < sentences.en > sentences.de
     python translate.py --saved-model models/transformer --beam-size 8 --n-best --input val.en
+    python translate.py --run-dir runs/multi30k-small --attention dog.png "A dog runs."
 
 Sentences come from the arguments, else from `--input` or stdin, one per line, and are
-translated in batches of `--batch-size`; translations are printed in input order, one
-per line (`--scores`: "score<TAB>translation"; `--n-best`: "index ||| translation |||
-score" for every hypothesis). Sources longer than the translator's maximum input length
-(256 tokens by default) are translated from their beginning only; empty lines give
-empty lines.
+translated in batches of at most `--batch-size`; translations are printed (to `--output`
+if given) in input order, one per line (`--scores`: "score<TAB>translation";
+`--n-best`: "index ||| translation ||| score" for every hypothesis), and flushed after
+each batch. Sources longer than the translator's maximum input length (256 tokens by
+default) are translated from their beginning only; empty lines give empty lines.
 
-With `--run-dir`, the run's best checkpoint (the averaged one, unless training went on
-past it or the run was last given `--average-last 0`) is loaded into an in-process
-`Translator`, with the beam size and length penalty the run was evaluated with unless
-given; with `--saved-model`, a version directory or a model base directory (its highest
-version is used) is loaded with `tf.saved_model.load`.
+Input is read as it arrives, never whole: a batch is what has arrived when its first
+line is read, up to `--batch-size` lines, so a sentence typed at a terminal or written
+to a pipe is answered at once, and a file of any size is translated in full batches
+with bounded memory. Lines end at "\\n" only, as the corpus reader's; a line's trailing
+"\\r" (CRLF files) and a leading byte order mark are dropped; invalid UTF-8 is passed on.
+
+`--attention FILE.png` (with `--run-dir`, for one sentence given as an argument) draws
+the encoder-decoder attention of the translation, teacher forced on the translation as
+the tokenizer splits it: a heatmap per decoder layer, mean over heads, source pieces
+across and translation pieces down (see `keras_transformer.attention_plot`).
+
+With `--run-dir`, the run's best checkpoint (the averaged one while it is current, else
+the one with the best validation BLEU, else the latest: `run_dir.checkpoint_path`) is
+loaded into an in-process `Translator`, with the beam size and length penalty the run
+was evaluated with unless given; with `--saved-model`, a version directory or a model
+base directory (its highest version is used) is loaded with `tf.saved_model.load`.
 """
 
 import argparse
 import codecs
+import collections
+import contextlib
 import os
 import re
+import select
 import sys
 from pathlib import Path
 
@@ -30,6 +45,8 @@ import tensorflow_text  # noqa: F401  Registers the SentencePiece ops a SavedMod
 
 DEFAULT_BEAM_SIZE = 4
 DEFAULT_ALPHA = 0.6
+# Bytes asked of the input at a time: a few batches of typical lines, never the whole input.
+READ_CHUNK_BYTES = 1 << 16
 
 
 class LoadError(Exception):
@@ -80,8 +97,22 @@ def parse_args(argv=None):
         "graph-mode options signature; an export made with --jit-compile uses XLA by itself.",
     )
     parser.add_argument("--scores", action="store_true", help="Print 'score<TAB>translation'.")
-    parser.add_argument("--batch-size", type=int, default=32, help="Sentences per batch.")
-    parser.add_argument("--input", help="File of sentences, one per line (default: stdin).")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="Most sentences per batch (a batch holds the input lines that have arrived, up to this many).",
+    )
+    parser.add_argument(
+        "--input", help="File of sentences, one per line, read as it is translated (default: stdin)."
+    )
+    parser.add_argument("--output", help="File the translations are written to (default: stdout).")
+    parser.add_argument(
+        "--attention",
+        metavar="FILE.png",
+        help="With --run-dir and one sentence argument: also draw the encoder-decoder attention of its "
+        "translation (a heatmap per decoder layer, mean over heads) as a PNG.",
+    )
     parser.add_argument("sentences", nargs="*", help="Sentences to translate.")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
@@ -100,6 +131,11 @@ def parse_args(argv=None):
         parser.error("--early-stopping goes with --run-dir; an export searches as it was exported.")
     if args.checkpoint is not None and args.saved_model:
         parser.error("--checkpoint goes with --run-dir; a SavedModel holds one set of weights.")
+    if args.attention is not None and (args.saved_model or len(args.sentences) != 1 or args.input):
+        parser.error(
+            "--attention goes with --run-dir and one sentence given as an argument (a SavedModel "
+            "does not return its attention)."
+        )
     return args
 
 
@@ -176,25 +212,136 @@ def open_input(args):
     return open(args.input, "rb") if args.input else sys.stdin.buffer
 
 
+def open_output(args):
+    """The text stream translations are written to: `--output`'s file (UTF-8), else `None` for stdout.
+
+    Raises:
+        OSError: If the file cannot be written, or is the `--input` file (which opening it would empty).
+    """
+    if args.output is None:
+        return None
+    if args.input and os.path.exists(args.output) and os.path.samefile(args.input, args.output):
+        raise OSError("it is the --input file, which writing would erase before it is read")
+    return open(args.output, "w", encoding="utf-8")
+
+
+class LineReader:
+    """The lines of a binary stream, read a chunk at a time as they arrive.
+
+    Lines end at "\\n" only, as the corpus reader's: a stray "\\r" inside a line does not
+    split it. A line's trailing "\\r"s (CRLF files) and the first line's UTF-8 byte order
+    mark (an editor's mark, not text) are dropped; a last line without "\\n" is a line.
+    Bytes are not decoded: invalid UTF-8 is passed on (the translator copes).
+
+    A stream with a file descriptor is read with `os.read`, past any Python buffer:
+    nothing else may have read from it. Memory holds what one read returned at most,
+    beyond the line being completed.
+    """
+
+    def __init__(self, stream, chunk_bytes=READ_CHUNK_BYTES):
+        self._stream = stream
+        self._chunk_bytes = chunk_bytes
+        self._fd = _file_descriptor(stream)
+        self._lines = collections.deque()  # Whole lines read and not yet returned.
+        self._partial = []  # The pieces of the line being read.
+        self._at_end = False
+        self._first = True
+
+    def __iter__(self):
+        while (line := self.next_line()) is not None:
+            yield line
+
+    def next_line(self):
+        """The next line, waiting for it if need be; `None` at the end of the input."""
+        while not self._lines and not self._at_end:
+            self._read_chunk()
+        if not self._lines:
+            return None
+        line = self._lines.popleft()
+        if self._first:
+            self._first = False
+            line = line.removeprefix(codecs.BOM_UTF8)
+        return line.rstrip(b"\r")
+
+    def line_ready(self):
+        """Whether `next_line` returns without waiting: a whole line, or the end, has arrived."""
+        while not self._lines and not self._at_end and self._readable_now():
+            self._read_chunk()
+        return bool(self._lines) or self._at_end
+
+    def _read_chunk(self):
+        if self._fd is not None:
+            chunk = os.read(self._fd, self._chunk_bytes)
+        else:
+            chunk = _read_some(self._stream, self._chunk_bytes)
+        if not chunk:
+            self._at_end = True  # Never read again: a terminal would wait for a second Ctrl-D.
+            if self._partial:
+                self._lines.append(b"".join(self._partial))
+                self._partial = []
+            return
+        *whole, rest = chunk.split(b"\n")
+        if whole:
+            whole[0] = b"".join([*self._partial, whole[0]])
+            self._partial = []
+            self._lines.extend(whole)
+        if rest:
+            self._partial.append(rest)
+
+    def _readable_now(self):
+        """Whether a read returns without waiting (always, for a stream `select` cannot poll)."""
+        if self._fd is None:
+            return True
+        try:
+            return bool(select.select([self._fd], [], [], 0)[0])
+        except (OSError, ValueError):  # Windows pipes: a batch then waits until it is full or the input ends.
+            return True
+
+
+def _file_descriptor(stream):
+    """`stream`'s file descriptor, or `None` for an in-memory stream such as `io.BytesIO`."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the latter.
+        return None
+
+
+def _read_some(stream, size):
+    """Up to `size` bytes of a stream without a file descriptor, with one read if it allows."""
+    return stream.read1(size) if hasattr(stream, "read1") else stream.read(size)
+
+
+def arriving_batches(lines, size):
+    """Batches of the lines of a `LineReader`: the first waited for, then those already there, up to `size`."""
+    while (first := lines.next_line()) is not None:
+        batch = [first]
+        while len(batch) < size and lines.line_ready():
+            line = lines.next_line()
+            if line is None:
+                break
+            batch.append(line)
+        yield batch
+
+
+def input_batches(args, stream):
+    """Batches of sentences as UTF-8 bytes: the arguments', else `stream`'s lines as they arrive."""
+    if not args.sentences:
+        yield from arriving_batches(LineReader(stream), args.batch_size)
+        return
+    # fsencode: the bytes as given, also those that are not UTF-8.
+    sentences = [os.fsencode(sentence) for sentence in args.sentences]
+    for start in range(0, len(sentences), args.batch_size):
+        yield sentences[start : start + args.batch_size]
+
+
 def read_sentences(args, stream):
-    """Sentences as UTF-8 bytes (invalid bytes are passed on; the translator copes)."""
-    if args.sentences:
-        # fsencode: the bytes as given, also those that are not UTF-8.
-        return [os.fsencode(sentence) for sentence in args.sentences]
-    with stream:
-        data = stream.read().removeprefix(codecs.BOM_UTF8)  # An editor's mark, not text.
-    lines = data.split(b"\n")  # On "\n" only, as the corpus reader: a stray "\r" must not shift lines.
-    if lines[-1] == b"":
-        lines.pop()
-    return [line.rstrip(b"\r") for line in lines]
+    """All sentences as UTF-8 bytes, as `input_batches` gives them (invalid bytes are passed on)."""
+    with contextlib.closing(stream) if stream is not None else contextlib.nullcontext():
+        return [sentence for batch in input_batches(args, stream) for sentence in batch]
 
 
-def batches(items, size):
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
-def print_results(results, first_index, args):
+def print_results(results, first_index, args, file=None):
+    """Prints a batch's translations as the options ask, to `file` (default: stdout)."""
     for offset, translation in enumerate(results["translation"].numpy()):
         if args.n_best:
             for text, score in zip(
@@ -202,11 +349,30 @@ def print_results(results, first_index, args):
                 results["scores"][offset].numpy(),
                 strict=True,
             ):
-                print(f"{first_index + offset} ||| {text.decode()} ||| {score:.4f}")
+                print(f"{first_index + offset} ||| {text.decode()} ||| {score:.4f}", file=file)
         elif args.scores:
-            print(f"{results['score'][offset].numpy():.4f}\t{translation.decode()}")
+            print(f"{results['score'][offset].numpy():.4f}\t{translation.decode()}", file=file)
         else:
-            print(translation.decode())
+            print(translation.decode(), file=file)
+
+
+def write_attention(translator, sentence, translation, path):
+    """Draws the attention of `translator` (a `Translator`) while it writes `translation`, as a PNG at `path`.
+
+    Teacher forced on the translation as the tokenizer splits it, which is nearly always
+    the split the search produced; the source is cut as `translate` cuts it.
+    """
+    # Imported here: only --attention needs matplotlib.
+    from keras_transformer import attention_plot, data, evaluation
+    from keras_transformer.tokenizer import EOS_ID
+
+    tokenizer = translator.tokenizer
+    sources = data.make_translation_dataset([sentence], tokenizer, max_length=translator.max_input_length)
+    source_ids = next(iter(sources))
+    output_ids = [[*tokenizer.tokenize([translation])[0].numpy(), EOS_ID]]
+    [attention] = evaluation.translation_attention(translator.model, tokenizer, source_ids, output_ids)
+    figure = attention_plot.attention_figure(attention.layers, attention.source_pieces, attention.output_pieces)
+    attention_plot.save_png(figure, path)
 
 
 def fail(message):
@@ -230,20 +396,39 @@ def main(argv=None):
     except OSError as error:
         return fail(f"cannot read --input {args.input}: {error.strerror or error}.")
     try:
-        # Loaded before stdin is read: whoever types sentences learns of a bad model path at once.
-        module, signatures = load_translator(args)  # `module` must outlive the signatures.
-    except LoadError as error:
-        return fail(error)
-    sentences = read_sentences(args, stream)
-    translate = translate_fn(signatures, args)
-    for index, batch in enumerate(batches(sentences, args.batch_size)):
+        output = open_output(args)
+    except OSError as error:
+        return fail(f"cannot write --output {args.output}: {error.strerror or error}.")
+    with contextlib.ExitStack() as closing:
+        for opened in (stream if args.input else None, output):  # The files opened here, not stdin.
+            if opened is not None:
+                closing.enter_context(opened)
         try:
-            results = translate(tf.constant(batch, dtype=tf.string))
+            # Loaded before stdin is read: whoever types sentences learns of a bad model path at once.
+            module, signatures = load_translator(args)  # `module` must outlive the signatures.
+        except LoadError as error:
+            return fail(error)
+        try:
+            results = translate_all(translate_fn(signatures, args), input_batches(args, stream), args, output)
         except tf.errors.InvalidArgumentError as error:  # An option the model refuses.
             return fail(refusal(error))
-        print_results(results, index * args.batch_size, args)
-        sys.stdout.flush()
+    if args.attention:  # With one sentence argument (see parse_args): `results` are its.
+        try:
+            write_attention(module, os.fsencode(args.sentences[0]), results["translation"][0].numpy(), args.attention)
+        except OSError as error:
+            return fail(f"cannot write --attention {args.attention}: {error.strerror or error}.")
     return 0
+
+
+def translate_all(translate, sentence_batches, args, output):
+    """Translates and prints batch by batch; returns the last batch's outputs (`None` without input)."""
+    translated, results = 0, None
+    for batch in sentence_batches:
+        results = translate(tf.constant(batch, dtype=tf.string))
+        print_results(results, translated, args, output)
+        (output or sys.stdout).flush()  # Each batch is seen as soon as it is translated.
+        translated += len(batch)
+    return results
 
 
 if __name__ == "__main__":

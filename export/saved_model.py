@@ -6,7 +6,7 @@ layout:
     models/transformer/<version>/saved_model.pb
                                  variables/
                                  assets/tokenizer.model                    the vocabulary
-                                 assets.extra/tf_serving_warmup_requests   PredictionLogs
+                                 assets.extra/tf_serving_warmup_requests   PredictionLogs (*)
 
 Signatures (tokenization, beam search and detokenization are all in the graph, through
 tensorflow-text's SentencePiece ops, which TF Serving's model server links in):
@@ -19,7 +19,16 @@ tensorflow-text's SentencePiece ops, which TF Serving's model server links in):
   `max_length` int32 `[]`, `min_length` int32 `[]` -> `translation`, `score`, and the n-best lists
   `translations` tf.string `[batch, beam_size]`, `scores` float32 `[batch, beam_size]`.
   Scalars do not fit TF Serving's row format: call it with the columnar
-  `{"inputs": {...}}` REST format.
+  `{"inputs": {...}}` REST format. Nor do they fit its batching, which needs a batch
+  dimension on every input: a server started with `--enable_batching` (see
+  `export/batching.config`) refuses this signature with INVALID_ARGUMENT and batches
+  `serving_default`, whose inputs and outputs are all `[batch]`, so that the rows of
+  merged requests are split back as they came.
+
+(*) Built with tensorflow-serving-api's protos (the `serving` extra). Without it the export
+is written and checked all the same, with a warning and no warmup requests: TF Serving
+then runs a version's graph set-up (with `--jit-compile`, its XLA compilations) in its
+first requests instead of before serving it.
 
 The SentencePiece op keeps its model as a graph attribute, so the graph itself carries
 the vocabulary; `assets/tokenizer.model` ships the same file for clients and for the
@@ -90,7 +99,8 @@ def export_run(
         which: Checkpoint of the run to export, see `run_dir.checkpoint_path`.
         model_name: Model name written in the warmup requests (default: `out`'s name).
         check_sentences: Sentences to check the export on, besides `CHECK_SENTENCES`.
-        log: Receives one line per step and per check.
+        log: Receives one line per step and per check, and a "warning: ..." line when
+            tensorflow-serving-api is missing (no warmup requests then).
         **translator_options: `Translator` arguments (`beam_size`, `alpha`, ...).
 
     Returns:
@@ -118,7 +128,11 @@ def export_run(
     try:
         sentences = list(CHECK_SENTENCES) + list(check_sentences)
         save_translator(translator, staging)
-        write_warmup_requests(staging, model_name or out.resolve().name, sentences[:3])
+        try:
+            write_warmup_requests(staging, model_name or out.resolve().name, sentences[:3])
+        except ImportError as error:  # Warmups speed up a version's first requests; it serves without them.
+            log(f"warning: no warmup requests written ({error}); TF Serving will answer the first requests of "
+                'this version slowly. pip install -e ".[serving]" (tensorflow-serving-api) writes them.')
         log(f"Wrote {staging}; checking it.")
         for line in verify_export(staging, translator, sentences):
             log(f"  ok: {line}")
@@ -138,63 +152,33 @@ def save_translator(translator, directory):
 def warmup_records(model_name, sentence_batches):
     """Serialized `tensorflow.serving.PredictionLog`s, one `serving_default` request per batch.
 
-    Uses the `tensorflow-serving-api` protos when installed; otherwise writes the same
-    bytes from TensorFlow's `TensorProto` and the (stable) field numbers of TF
-    Serving's `prediction_log.proto`, `predict.proto` and `model.proto`.
+    Raises:
+        ImportError: Without tensorflow-serving-api, whose protos these are.
     """
+    from tensorflow_serving.apis import predict_pb2, prediction_log_pb2
+
     records = []
     for batch in sentence_batches:
-        tensor = tf.make_tensor_proto(np.array(batch, dtype=object), dtype=tf.string)
-        records.append(_prediction_log(model_name, SERVING_SIGNATURE, {"text": tensor}))
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = model_name
+        request.model_spec.signature_name = SERVING_SIGNATURE
+        request.inputs["text"].CopyFrom(tf.make_tensor_proto(np.array(batch, dtype=object), dtype=tf.string))
+        log = prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=request))
+        records.append(log.SerializeToString())
     return records
 
 
-def _prediction_log(model_name, signature_name, inputs):
-    try:
-        from tensorflow_serving.apis import predict_pb2, prediction_log_pb2
-    except ImportError:
-        return _prediction_log_bytes(model_name, signature_name, inputs)
-    request = predict_pb2.PredictRequest()
-    request.model_spec.name = model_name
-    request.model_spec.signature_name = signature_name
-    for name, tensor in inputs.items():
-        request.inputs[name].CopyFrom(tensor)
-    log = prediction_log_pb2.PredictionLog(
-        predict_log=prediction_log_pb2.PredictLog(request=request)
-    )
-    return log.SerializeToString()
-
-
-def _prediction_log_bytes(model_name, signature_name, inputs):
-    """`PredictionLog{predict_log: PredictLog{request: PredictRequest}}` in protobuf wire format."""
-    model_spec = _field(1, model_name.encode()) + _field(3, signature_name.encode())
-    request = _field(1, model_spec) + b"".join(
-        _field(2, _field(1, name.encode()) + _field(2, tensor.SerializeToString()))  # map entry
-        for name, tensor in inputs.items()
-    )
-    return _field(6, _field(1, request))
-
-
-def _field(number, payload):
-    """A length-delimited protobuf field."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _varint(value):
-    encoded = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        encoded.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(encoded)
-
-
 def write_warmup_requests(directory, model_name, sentences):
-    """Writes `assets.extra/tf_serving_warmup_requests`: a one-sentence request and a batch."""
+    """Writes `assets.extra/tf_serving_warmup_requests`: a one-sentence request and a batch.
+
+    Raises:
+        ImportError: Without tensorflow-serving-api; nothing is written then.
+    """
+    records = warmup_records(model_name, [sentences[:1], sentences])
     extra = Path(directory) / "assets.extra"
     extra.mkdir(exist_ok=True)
     with tf.io.TFRecordWriter(str(extra / WARMUP_FILE)) as writer:
-        for record in warmup_records(model_name, [sentences[:1], sentences]):
+        for record in records:
             writer.write(record)
 
 
@@ -245,8 +229,24 @@ def verify_export(directory, translator, sentences):
     yield f"assets/{VOCABULARY_ASSET} is the tokenizer's SentencePiece model"
 
     warmup = directory / "assets.extra" / WARMUP_FILE
-    count = sum(1 for _ in tf.data.TFRecordDataset(str(warmup)))
-    yield f"assets.extra/{WARMUP_FILE} holds {count} PredictionLog records"
+    if warmup.is_file():
+        yield _check_warmup_requests(loaded, warmup)
+
+
+def _check_warmup_requests(loaded, path):
+    """Replays the warmup requests as TF Serving does before it serves a version: each must be answered."""
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    records = [record.numpy() for record in tf.data.TFRecordDataset(str(path))]
+    for record in records:
+        request = prediction_log_pb2.PredictionLog.FromString(record).predict_log.request
+        if request.model_spec.signature_name not in loaded.signatures:
+            raise ExportError(f"{path.name} asks for a signature {request.model_spec.signature_name!r}.")
+        inputs = {name: tf.make_ndarray(tensor) for name, tensor in request.inputs.items()}
+        outputs = loaded.signatures[request.model_spec.signature_name](**inputs)
+        if any(len(value) != len(inputs["text"]) for value in outputs.values()):
+            raise ExportError(f"{path.name}: a request of {len(inputs['text'])} rows is answered with other sizes.")
+    return f"assets.extra/{WARMUP_FILE}: its {len(records)} PredictionLog requests are answered"
 
 
 def _check_signatures(loaded):

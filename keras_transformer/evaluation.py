@@ -1,21 +1,28 @@
-"""Translation quality: sacrebleu BLEU, corpus translation, and validation during training.
+"""Translation quality: sacrebleu BLEU and chrF, corpus translation, and validation during training.
 
-BLEU is sacrebleu's corpus BLEU on detokenized, cased text against raw references (its
-default 13a tokenization, exponential smoothing), the comparable figure that the paper's
-tokenized "multi-bleu" is not; each score is reported with sacrebleu's signature, e.g.
-`nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`.
+`corpus_scores` is the one place a corpus is scored; validation, the test set and the
+checkpoint-averaging decision all go through it. BLEU, the headline figure and the one
+decisions are taken on, is sacrebleu's corpus BLEU on detokenized, cased text against
+raw references (its default 13a tokenization, exponential smoothing), the comparable
+figure that the paper's tokenized "multi-bleu" is not. chrF (sacrebleu's chrF2:
+character 6-grams, beta 2, no word n-grams) comes next to it: it needs no tokenization
+and still moves when few 4-grams match, as early in training. Each score is reported
+with sacrebleu's signature, e.g. `nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`
+and `nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.6.0`.
 
 Validation during training (`Validator`) computes the loss, perplexity and token
-accuracy on the whole validation split (teacher forcing), and BLEU on its first
+accuracy on the whole validation split (teacher forcing), and BLEU and chrF on its first
 `bleu_sentences` sentences only: decoding is the expensive part, and a fixed subset keeps
 the curve comparable from one validation to the next. It also writes, for a few
 validation sentences, the encoder-decoder attention of every decoder layer (mean over
-heads) as TensorBoard images.
+heads) as TensorBoard images: heatmaps with the source's subword pieces across, the
+translation's down and a colour bar (`keras_transformer.attention_plot`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -23,18 +30,67 @@ import numpy as np
 import sacrebleu
 import tensorflow as tf
 
-from keras_transformer import data
+from keras_transformer import attention_plot, data
 from keras_transformer.decoding import beam_search
 from keras_transformer.losses import label_smoothed_cross_entropy, token_accuracy
 from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
-# Pixels per attention weight in the heatmaps.
-_HEATMAP_CELL = 8
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """BLEU and chrF of one corpus, each with the signature of its settings.
+
+    Attributes:
+        bleu: sacrebleu's `BLEUScore` (`.score` 0-100, `.precisions`, `.bp`, ...).
+        chrf: sacrebleu's `CHRFScore` (`.score` 0-100).
+        bleu_signature: e.g. "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0".
+        chrf_signature: e.g. "nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.6.0".
+
+    `str()` is two lines, BLEU first: sacrebleu's text, " | ", its signature.
+    """
+
+    bleu: sacrebleu.metrics.bleu.BLEUScore
+    chrf: sacrebleu.metrics.chrf.CHRFScore
+    bleu_signature: str
+    chrf_signature: str
+
+    def metrics(self) -> dict[str, float]:
+        """`{"bleu", "chrf"}`: the scalars logged and written as TensorBoard summaries."""
+        return {"bleu": self.bleu.score, "chrf": self.chrf.score}
+
+    def __str__(self):
+        return f"{self.bleu} | {self.bleu_signature}\n{self.chrf} | {self.chrf_signature}"
+
+
+def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], target_lang: str = "") -> Scores:
+    """sacrebleu corpus BLEU and chrF of detokenized, cased hypotheses against one reference each.
+
+    Args:
+        hypotheses: Translations, one per reference, in order.
+        references: Raw reference sentences.
+        target_lang: Target language code; lets BLEU pick its tokenizer for zh/ja/ko
+            (chrF does not tokenize).
+
+    Returns:
+        `Scores`.
+
+    Raises:
+        ValueError: If there are not as many hypotheses as references.
+    """
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references.")
+    hypotheses, references = list(hypotheses), [list(references)]
+    bleu, chrf = sacrebleu.metrics.BLEU(trg_lang=target_lang), sacrebleu.metrics.CHRF()
+    bleu_score, chrf_score = bleu.corpus_score(hypotheses, references), chrf.corpus_score(hypotheses, references)
+    # After scoring: a signature names the number of references, known only then.
+    return Scores(bleu_score, chrf_score, str(bleu.get_signature()), str(chrf.get_signature()))
 
 
 @dataclasses.dataclass(frozen=True)
 class BleuResult:
-    """A corpus BLEU score.
+    """A corpus BLEU score (see `corpus_bleu`).
 
     Attributes:
         score: BLEU, 0-100.
@@ -51,21 +107,9 @@ class BleuResult:
 
 
 def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str], target_lang: str = "") -> BleuResult:
-    """sacrebleu corpus BLEU of detokenized, cased hypotheses against one reference each.
-
-    Args:
-        hypotheses: Translations, one per reference, in order.
-        references: Raw reference sentences.
-        target_lang: Target language code; lets sacrebleu pick its tokenizer for zh/ja/ko.
-
-    Returns:
-        A `BleuResult`.
-    """
-    if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references.")
-    bleu = sacrebleu.metrics.BLEU(trg_lang=target_lang)
-    score = bleu.corpus_score(list(hypotheses), [list(references)])
-    return BleuResult(score.score, str(score), str(bleu.get_signature()))
+    """BLEU alone: `corpus_scores(...)`'s, as a `BleuResult`."""
+    scores = corpus_scores(hypotheses, references, target_lang)
+    return BleuResult(scores.bleu.score, str(scores.bleu), scores.bleu_signature)
 
 
 def translate(
@@ -141,8 +185,53 @@ def cross_attention(model, source_ids, decoder_input_ids):
     return weights
 
 
+@dataclasses.dataclass(frozen=True)
+class TranslationAttention:
+    """The encoder-decoder attention of one translation, as `attention_plot.attention_figure` takes it.
+
+    Attributes:
+        source_pieces: The source's subword pieces, EOS included.
+        output_pieces: The translation's pieces, EOS included; the attention of row i is
+            the one with which the model predicts piece i.
+        layers: Per decoder layer, float32 `[heads, len(output_pieces), len(source_pieces)]`.
+    """
+
+    source_pieces: list[str]
+    output_pieces: list[str]
+    layers: list[np.ndarray]
+
+
+def translation_attention(model, tokenizer, source_ids, output_ids) -> list[TranslationAttention]:
+    """The attention with which the model reads each source while it writes `output_ids` (teacher forcing).
+
+    Args:
+        model: A `Transformer`.
+        tokenizer: Its `SubwordTokenizer`, for the pieces.
+        source_ids: int `[batch, source_length]`, ending with EOS, padded with `PAD_ID`.
+        output_ids: int `[batch, output_length]`, e.g. a beam search's tokens; a row's
+            pieces end at its first EOS, and padding is dropped.
+
+    Returns:
+        A `TranslationAttention` per row.
+    """
+    output_ids = tf.convert_to_tensor(output_ids, tf.int32)
+    decoder_inputs = tf.concat([tf.fill([tf.shape(output_ids)[0], 1], BOS_ID), output_ids[:, :-1]], axis=1)
+    weights = [layer.numpy() for layer in cross_attention(model, source_ids, decoder_inputs)]
+    examples = []
+    for row, (source, output) in enumerate(zip(np.asarray(source_ids), output_ids.numpy())):
+        source, output = _real_tokens(source), _real_tokens(output)
+        examples.append(
+            TranslationAttention(
+                _pieces(tokenizer, source),
+                _pieces(tokenizer, output),
+                [layer[row, :, : len(output), : len(source)] for layer in weights],
+            )
+        )
+    return examples
+
+
 class Validator:
-    """The `validate_fn` of `Trainer`: loss, perplexity, accuracy, BLEU and attention images.
+    """The `validate_fn` of `Trainer`: loss, perplexity, accuracy, BLEU, chrF and attention images.
 
     Args:
         pairs: Validation `(source, target)` sentence pairs.
@@ -150,8 +239,8 @@ class Validator:
             (`keras.utils.set_random_seed` drops TensorFlow's kernel cache, which holds
             the tokenizer's resource).
         label_smoothing: The training `eps`, so the validation loss is comparable.
-        bleu_sentences: BLEU is computed on the first this many pairs (0: no BLEU).
-        beam_size: Beam size of the BLEU translations (1: greedy).
+        bleu_sentences: BLEU and chrF are computed on the first this many pairs (0: neither).
+        beam_size: Beam size of the BLEU and chrF translations (1: greedy).
         alpha: Length penalty.
         token_budget: Token budget of the loss batches.
         max_length: Longest sequence, as in training.
@@ -163,7 +252,8 @@ class Validator:
         step: The training step, for the image summaries.
 
     Returns:
-        `{"loss", "perplexity", "accuracy"[, "bleu"]}` as floats.
+        `{"loss", "perplexity", "accuracy"[, "bleu", "chrf"]}` as floats. The first call
+        logs the sacrebleu signatures of BLEU and chrF (the dict has room for numbers only).
     """
 
     def __init__(
@@ -193,6 +283,7 @@ class Validator:
             self.pairs, tokenizer, token_budget=token_budget, max_length=max_length, shuffle=False
         )
         self._sums = None
+        self._signatures_logged = False
 
     def __call__(self, model, step):
         metrics = self.teacher_forced_metrics(model)
@@ -201,7 +292,12 @@ class Validator:
             translations = translate(
                 model, self.tokenizer, sources, beam_size=self.beam_size, alpha=self.alpha, max_length=self.max_length
             )
-            metrics["bleu"] = corpus_bleu(translations, references, self.target_lang).score
+            scores = corpus_scores(translations, references, self.target_lang)
+            metrics.update(scores.metrics())
+            if not self._signatures_logged:
+                self._signatures_logged = True
+                logger.info("Validation BLEU and chrF (sacrebleu) on the first %d validation sentences: "
+                            "BLEU %s, chrF %s", len(references), scores.bleu_signature, scores.chrf_signature)
         if self.attention_sources:
             self.write_attention_images(model, step)
         return metrics
@@ -231,29 +327,28 @@ class Validator:
         return sums
 
     def write_attention_images(self, model, step):
-        """One heatmap per example and decoder layer, rows = output tokens, columns = source tokens."""
+        """An image per example and decoder layer: the heatmap of `attention_plot`, mean over heads.
+
+        The translations are the beam search's, as BLEU's; the images are tagged
+        `attention/example_E/decoder_layer_L`.
+        """
         source_ids = next(iter(data.make_translation_dataset(self.attention_sources, self.tokenizer)))
         output_ids = beam_search(model, source_ids, beam_size=self.beam_size, alpha=self.alpha).tokens
-        decoder_inputs = tf.concat([tf.fill([tf.shape(output_ids)[0], 1], BOS_ID), output_ids[:, :-1]], axis=1)
-        weights = [layer.numpy().mean(axis=1) for layer in cross_attention(model, source_ids, decoder_inputs)]
-        for example in range(len(self.attention_sources)):
-            source = _real_tokens(source_ids[example].numpy())
-            output = _real_tokens(output_ids[example].numpy())
+        for example, attention in enumerate(translation_attention(model, self.tokenizer, source_ids, output_ids)):
             description = (
-                f"rows: output `{' '.join(self._pieces(output))}`  \n"
-                f"columns: source `{' '.join(self._pieces(source))}`"
+                f"rows: output `{' '.join(attention.output_pieces)}`  \n"
+                f"columns: source `{' '.join(attention.source_pieces)}`"
             )
-            for layer, layer_weights in enumerate(weights):
-                heatmap = layer_weights[example, : len(output), : len(source)]
+            for layer, weights in enumerate(attention.layers):
+                figure = attention_plot.attention_figure(
+                    [weights], attention.source_pieces, attention.output_pieces, layer_numbers=[layer]
+                )
                 tf.summary.image(
                     f"attention/example_{example}/decoder_layer_{layer}",
-                    _heatmap_image(heatmap),
+                    _png_image(attention_plot.figure_png(figure)),
                     step=step,
                     description=description,
                 )
-
-    def _pieces(self, ids):
-        return [piece.decode("utf-8") for piece in self.tokenizer.id_to_piece(ids).numpy()]
 
 
 def _real_tokens(ids):
@@ -263,8 +358,11 @@ def _real_tokens(ids):
     return ids[: ends[0] + 1] if ends.size else ids
 
 
-def _heatmap_image(weights):
-    """`[rows, columns]` weights -> a `[1, height, width, 1]` image in [0, 1], scaled to its maximum."""
-    weights = weights / max(float(weights.max()), 1e-9)
-    pixels = np.kron(weights, np.ones((_HEATMAP_CELL, _HEATMAP_CELL), dtype=weights.dtype))
-    return pixels[None, :, :, None]
+def _pieces(tokenizer, ids):
+    """The subword pieces of `ids` as text, e.g. ["▁Ein", "▁Hund", "</s>"]."""
+    return [piece.decode("utf-8") for piece in tokenizer.id_to_piece(ids).numpy()]
+
+
+def _png_image(png):
+    """PNG bytes -> the uint8 `[1, height, width, 3]` batch `tf.summary.image` takes."""
+    return tf.image.decode_png(png, channels=3)[tf.newaxis]

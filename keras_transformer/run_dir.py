@@ -7,12 +7,18 @@ Layout:
     RUN/checkpoints/ckpt-N*  tf.train.Checkpoint(model, optimizer, step, random_state: the dropout seeds)
                              after step N, the last K kept
     RUN/averaged/ckpt-N*     tf.train.Checkpoint(model): the mean of the last checkpoints up to step N
+    RUN/best/ckpt-N*         tf.train.Checkpoint(model, bleu): the weights of step N, whose validation BLEU
+                             (`bleu`) is the best of the run so far; written by runs that validate every
+                             --eval-every steps, and not deleted with the old checkpoints of RUN/checkpoints
     RUN/logs/                TensorBoard event files (train/, validation/, test/)
     RUN/translations/        final translations of the test split, one line per sentence
 
 Checkpoint averaging (section 6.1: the mean of the last 5 checkpoints for base models,
-20 for big ones) smooths the noise of the last updates; `average_checkpoints` writes it,
-and `checkpoint_path(run_dir, "best")` prefers it unless training has gone past it.
+20 for big ones) smooths the noise of the last updates; `average_checkpoints` writes it.
+
+The run's model, `checkpoint_path(run_dir, "best")` (what the final test, translate.py and
+the export use): the averaged checkpoint while it is current (see `checkpoint_path`), else
+the checkpoint of the best validation BLEU when the run has one, else the latest.
 """
 
 import json
@@ -31,9 +37,13 @@ CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"
 CHECKPOINT_DIR = "checkpoints"
 AVERAGED_DIR = "averaged"
+BEST_DIR = "best"
 LOG_DIR = "logs"
 TRANSLATIONS_DIR = "translations"
 CHECKPOINT_NAME = "ckpt"
+# The validation metric a run keeps its best checkpoint by (higher is better): a key of
+# the validation metrics, and the name of the value in RUN/best's checkpoint.
+BEST_METRIC = "bleu"
 
 # The Transformer arguments kept in config.json["model"].
 MODEL_KEYS = (
@@ -131,10 +141,12 @@ def checkpoint_path(run_dir, which="best"):
 
     Args:
         run_dir: The run directory.
-        which: "latest"; "averaged"; "best": the averaged checkpoint unless a later
-            checkpoint was written after it (training went on) or the run was last
-            told not to average (`--average-last 0`), else the latest; or a checkpoint
-            path, returned as it is.
+        which: "latest"; "averaged"; "best": the run's model, which is the averaged
+            checkpoint unless a later checkpoint was written after it (training went
+            on) or the run was last told not to average (`--average-last 0`); else
+            the checkpoint of the best validation BLEU, in a run that keeps one
+            (`best_checkpoint`); else the latest. Or a checkpoint path, returned as
+            it is.
 
     Raises:
         RunDirError: When the asked checkpoint does not exist.
@@ -155,6 +167,9 @@ def checkpoint_path(run_dir, which="best"):
         which == "best" and averaged and checkpoint_step(averaged) >= checkpoint_step(latest) and _uses_average(run_dir)
     ):
         return averaged
+    best = latest_checkpoint(run_dir / BEST_DIR)
+    if which == "best" and best:
+        return best
     if not latest:
         raise RunDirError(f"{run_dir} holds no checkpoint under {CHECKPOINT_DIR}/.")
     return latest
@@ -188,6 +203,23 @@ def latest_checkpoint(directory):
     """The newest complete checkpoint of `directory` (see `checkpoints`), or None."""
     found = checkpoints(directory)
     return found[-1] if found else None
+
+
+def best_checkpoint(run_dir):
+    """`(prefix, validation BLEU)` of the run's best checkpoint under `RUN/best`, or None if it has none.
+
+    Raises:
+        RunDirError: When the checkpoint does not hold its BLEU (a damaged file).
+    """
+    path = latest_checkpoint(Path(run_dir) / BEST_DIR)
+    if path is None:
+        return None
+    try:
+        return path, float(tf.train.load_checkpoint(path).get_tensor(f"{BEST_METRIC}/.ATTRIBUTES/VARIABLE_VALUE"))
+    except Exception as error:  # As in `restore_checkpoint`: anything, for a damaged file.
+        raise RunDirError(
+            f"Checkpoint {path} does not hold its validation {BEST_METRIC} (a damaged file): {_error_summary(error)}"
+        ) from None
 
 
 def checkpoint_step(path):

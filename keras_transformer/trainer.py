@@ -31,6 +31,14 @@ This holds as long as the seed, the data flags and the number of replicas are un
 we chose it over checkpointing the tf.data iterator, whose state includes the whole
 shuffle buffer (tens of MB per checkpoint on WMT) and which not every pipeline op supports.
 
+Validation-driven training: a run that validates every `eval_every` steps keeps the
+weights of its best validation BLEU so far in `RUN/best` (`run_dir.best_checkpoint`),
+out of reach of the rotation of `RUN/checkpoints`; with `patience` N, it stops once N
+validations in a row have not improved on that BLEU. The record survives a resume: the
+best checkpoint holds its BLEU, and the validations since it are read from the
+validation logs. Only the chief validates; it decides, and every worker follows through
+an all-reduce (see `_agreed`): all save the best checkpoint and all stop together.
+
 Multi-worker: every worker runs the same loop; only the chief writes checkpoints under
 `RUN/checkpoints`, summaries and logs (the others write their checkpoints to a temporary
 directory, as `tf.distribute` requires all workers to save), and the workers agree on
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import shutil
 import tempfile
 import time
@@ -55,13 +64,17 @@ import tensorflow as tf
 from keras_transformer import distribution
 from keras_transformer.losses import label_smoothed_cross_entropy, sum_over_replicas, token_accuracy
 from keras_transformer.run_dir import (
+    BEST_DIR,
+    BEST_METRIC,
     CHECKPOINT_DIR,
     CHECKPOINT_NAME,
     LOG_DIR,
     RunDirError,
+    best_checkpoint,
     check_checkpointable,
     checkpoint_step,
     checkpoints,
+    read_scalars,
     restore_checkpoint,
     validated_steps,
 )
@@ -71,6 +84,9 @@ logger = logging.getLogger(__name__)
 
 # --mixed-precision choices and their Keras dtype policies.
 DTYPE_POLICIES = {"none": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
+
+# Timed steps (those that trace no step function) behind the first estimate of the run's length.
+ESTIMATE_AFTER_STEPS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +104,10 @@ class TrainingConfig:
         log_every: Steps between progress lines and training summaries.
         checkpoint_every: Steps between checkpoints (one is also written at the end).
         keep_checkpoints: How many of the latest checkpoints to keep.
-        eval_every: Steps between validations; 0 validates only at the end.
+        eval_every: Steps between validations; 0 validates only at the end. With
+            `eval_every`, the run keeps the checkpoint of its best validation BLEU.
+        patience: Stop when this many validations in a row have not improved on the
+            best validation BLEU; 0 trains all `train_steps`. Needs `eval_every`.
         mixed_precision: "none", "bf16" or "fp16" (see `DTYPE_POLICIES`).
         jit_compile: Compile the forward and backward pass with XLA.
     """
@@ -102,6 +121,7 @@ class TrainingConfig:
     checkpoint_every: int = 1000
     keep_checkpoints: int = 5
     eval_every: int = 0
+    patience: int = 0
     mixed_precision: str = "none"
     jit_compile: bool = False
 
@@ -114,6 +134,10 @@ class TrainingConfig:
             raise ValueError(f"max_minutes must be positive, got {self.max_minutes!r}.")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be 0 (never) or positive, got {self.eval_every!r}.")
+        if self.patience < 0:
+            raise ValueError(f"patience must be 0 (off) or positive, got {self.patience!r}.")
+        if self.patience and not self.eval_every:
+            raise ValueError(f"patience ({self.patience}) counts validations: it needs eval_every > 0.")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}.")
         if self.mixed_precision not in DTYPE_POLICIES:
@@ -134,6 +158,8 @@ class TrainingResult:
         stopped_early: Whether the time budget ended training before `train_steps`.
         seconds: Wall time of the training loop.
         tokens_per_second: Target tokens (non-pad, all replicas) per second of training steps.
+        out_of_patience: Whether `patience` validations without improvement ended
+            training (in this call or an earlier one) before `train_steps`.
     """
 
     start_step: int
@@ -141,6 +167,7 @@ class TrainingResult:
     stopped_early: bool
     seconds: float
     tokens_per_second: float
+    out_of_patience: bool = False
 
 
 class _Interval:
@@ -165,6 +192,27 @@ class _Interval:
             self.timed_tokens += metrics["tokens"]
 
 
+@dataclasses.dataclass
+class _BestSoFar:
+    """The chief's record of the best validation BLEU: its step and the validations since.
+
+    A fresh record (`step` -1) takes the first BLEU as its best.
+    """
+
+    step: int = -1
+    bleu: float = -math.inf
+    validations_since: int = 0
+
+    def update(self, step, bleu):
+        """Records the BLEU of `step`; returns whether it is a new best (strictly higher)."""
+        if bleu > self.bleu:
+            self.step, self.bleu, self.validations_since = step, bleu, 0
+            return True
+        if step > self.step:  # The best step itself, validated again after a crash, is no setback.
+            self.validations_since += 1
+        return False
+
+
 class Trainer:
     """Trains a model under a distribution strategy with the paper's recipe.
 
@@ -184,6 +232,8 @@ class Trainer:
             writer as default writer (it may write its own summaries, e.g. images,
             before the returned metrics are written). A run that stopped during a due
             validation (interrupted or killed) validates that step again on resume.
+            Its "bleu" (`run_dir.BEST_METRIC`) picks the best checkpoint and drives
+            `patience`; the other workers pass None.
     """
 
     def __init__(
@@ -199,6 +249,8 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.validate_fn = validate_fn
         self.is_chief = distribution.is_chief(strategy)
+        if config.patience and self.is_chief and validate_fn is None:
+            raise ValueError(f"patience ({config.patience}) needs a validate_fn on the chief, whose BLEU it watches.")
         if config.mixed_precision == "fp16":
             distribution.prepare_for_float16(strategy)
         with strategy.scope():
@@ -229,6 +281,17 @@ class Trainer:
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, str(self._save_dir), max_to_keep=config.keep_checkpoints, checkpoint_name=CHECKPOINT_NAME
         )
+        # The best weights with their BLEU, atomically in one checkpoint; the other workers save theirs
+        # to their temporary directory, as for `manager`.
+        self._best_bleu = tf.Variable(-math.inf, dtype=tf.float64, trainable=False, name=BEST_METRIC)
+        self._best_manager = tf.train.CheckpointManager(
+            tf.train.Checkpoint(model=self.model, **{BEST_METRIC: self._best_bleu}),
+            str(self.run_dir / BEST_DIR if self.is_chief else self._save_dir / BEST_DIR),
+            max_to_keep=1,
+            checkpoint_name=CHECKPOINT_NAME,
+        )
+        self._best = _BestSoFar()
+        self._validation_seconds = None
         self._gradients = self._make_gradients_fn()
         self._train_steps = {}
         self._saved_step = None
@@ -273,7 +336,7 @@ class Trainer:
         return self.manager.save(checkpoint_number=self._saved_step)
 
     def fit(self, dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]) -> TrainingResult:
-        """Trains from the latest checkpoint up to `config.train_steps` (or the time budget).
+        """Trains from the latest checkpoint up to `config.train_steps` (or the time budget, or `patience`).
 
         Args:
             dataset_fn: `dataset_fn(input_context)` returns ONE epoch of per-replica
@@ -295,28 +358,30 @@ class Trainer:
         """
         config = self.config
         start_step = self.restore()
+        self._best = self._read_best_so_far(start_step)
         started = time.monotonic()
         writers = self._summary_writers()
-        if self._validation_cut_off(start_step):
+        if self._agreed(self._validation_cut_off(start_step)):
             logger.info("The validation at step %d was cut off; validating it again.", start_step)
-            self._validate(start_step, writers["validation"])
+            self._evaluate(start_step, writers["validation"])
         if start_step >= config.train_steps:
             logger.info("Already trained %d of %d steps; nothing to do.", start_step, config.train_steps)
+            self._cleanup_worker_checkpoints()
             return TrainingResult(start_step, start_step, False, 0.0, 0.0)
-        logger.info(
-            "Training %s (%s parameters) on %d replica(s) for %d steps%s.",
-            type(self.model).__name__,
-            f"{self.model.count_params():,}",
-            self.strategy.num_replicas_in_sync,
-            config.train_steps,
-            f" or {config.max_minutes:g} minutes" if config.max_minutes else "",
-        )
+        if self._agreed(self._out_of_patience()):
+            logger.info("Stopped at step %d of %d: %s; nothing to do.", start_step, config.train_steps,
+                        self._no_improvement())
+            self._cleanup_worker_checkpoints()
+            return TrainingResult(start_step, start_step, False, 0.0, 0.0, out_of_patience=True)
+        logger.info("Training %s (%s parameters) on %d replica(s): %s.", type(self.model).__name__,
+                    f"{self.model.count_params():,}", self.strategy.num_replicas_in_sync, self._plan(start_step))
         iterator = iter(self._training_stream(dataset_fn, start_step))
         step = start_step
         interval = _Interval()
         train_seconds = 0.0
         train_tokens = 0.0
-        stopped_early = False
+        timed_steps = 0
+        stopped_early = out_of_patience = False
         try:
             while step < config.train_steps:
                 with_grad_norm = (step + 1) % config.log_every == 0 or step + 1 == config.train_steps
@@ -337,16 +402,22 @@ class Trainer:
                 if not tracing:
                     train_seconds += step_seconds
                     train_tokens += metrics["tokens"]
+                    timed_steps += 1
+                    if timed_steps == ESTIMATE_AFTER_STEPS:
+                        self._log_estimate(step, train_seconds / timed_steps, started)
                 if with_grad_norm:
                     # A new interval first: interrupted while logging, the run must not log these steps again.
                     logged, interval = interval, _Interval()
                     self._log_progress(step, logged, metrics["grad_norm"], started, writers["train"])
                 if step % config.checkpoint_every == 0:
                     self.save()
-                if self._validation_due(step):
-                    self._validate(step, writers["validation"])
+                out_of_patience = self._validation_due(step) and self._evaluate(step, writers["validation"])
                 if self._stop_agreed():
                     raise KeyboardInterrupt
+                if out_of_patience:
+                    self._log_rest(step, interval, started, writers["train"])
+                    logger.info("Stopping at step %d of %d: %s.", step, config.train_steps, self._no_improvement())
+                    break
                 if self._out_of_time(started):
                     stopped_early = step < config.train_steps
                     self._log_rest(step, interval, started, writers["train"])
@@ -374,12 +445,13 @@ class Trainer:
                 writer.flush()
         if self._saved_step != step:
             self.save()
-        if not self._validation_due(step):  # Else the loop validated this step (the time budget ended there).
-            self._validate(step, writers["validation"])
+        if not self._validation_due(step):  # Else the loop validated this step (the time budget or patience ended it).
+            self._evaluate(step, writers["validation"])
         self._cleanup_worker_checkpoints()
         seconds = time.monotonic() - started
         return TrainingResult(
-            start_step, step, stopped_early, seconds, train_tokens / train_seconds if train_seconds else 0.0
+            start_step, step, stopped_early, seconds, train_tokens / train_seconds if train_seconds else 0.0,
+            out_of_patience,
         )
 
     def _training_stream(self, dataset_fn, start_step):
@@ -513,10 +585,52 @@ class Trainer:
         steps_left = self.config.train_steps - step
         if not interval.timed_steps or not interval.timed_seconds:
             return None, (0.0 if steps_left == 0 else None)
-        eta = steps_left * interval.timed_seconds / interval.timed_steps
+        eta = steps_left * interval.timed_seconds / interval.timed_steps + self._validation_time_left(step)
         if self.config.max_minutes:
             eta = min(eta, max(0.0, self.config.max_minutes * 60 - elapsed))
         return interval.timed_tokens / interval.timed_seconds, eta
+
+    def _validation_time_left(self, step):
+        """Seconds of the validations still due after `step`, the final one included, at the last one's pace.
+
+        0 until a validation has been timed (and on the workers that do not validate).
+        """
+        if self._validation_seconds is None:
+            return 0.0
+        every = self.config.eval_every
+        due = max(0, (self.config.train_steps - 1) // every - step // every) if every else 0
+        return (due + 1) * self._validation_seconds
+
+    def _plan(self, start_step):
+        """What `fit` trains: '800 steps (1-800), or 60 minutes, or until ...'."""
+        config = self.config
+        plan = f"{config.train_steps - start_step} steps ({start_step + 1}-{config.train_steps})"
+        if config.max_minutes:
+            plan += f", or {config.max_minutes:g} minutes"
+        if config.patience:
+            plan += f", or until {config.patience} validations in a row do not improve the validation BLEU"
+        return plan
+
+    def _log_estimate(self, step, seconds_per_step, started):
+        """How long the steps left take, at the pace of the first timed steps."""
+        config = self.config
+        steps_left = config.train_steps - step
+        seconds = steps_left * seconds_per_step
+        message = (
+            f"{seconds_per_step:.2f} s a step over the first {ESTIMATE_AFTER_STEPS} timed steps: the {steps_left} "
+            f"steps left take about {format_duration(seconds)}"
+        )
+        if self.validate_fn is not None and self.is_chief:
+            message += ", plus the validations" if config.eval_every else ", plus the final validation"
+        budget_left = math.inf
+        if config.max_minutes:
+            budget_left = max(0.0, config.max_minutes * 60 - (time.monotonic() - started))
+        if seconds > budget_left:
+            message += (
+                f"; the {config.max_minutes:g}-minute budget stops the run near step "
+                f"{step + int(budget_left / seconds_per_step)}"
+            )
+        logger.info("%s.", message)
 
     def _validation_due(self, step):
         """Whether the training loop validates after `step` (the last step is validated after the loop)."""
@@ -534,16 +648,84 @@ class Trainer:
         due = self._validation_due(step) or step >= self.config.train_steps
         return due and step not in validated_steps(self.run_dir)
 
+    def _evaluate(self, step, writer):
+        """Validates `step` and keeps the best checkpoint; returns whether patience ran out, agreed by all workers.
+
+        Every worker calls it: the chief decides, the others follow (see `_agreed`).
+        """
+        metrics = self._validate(step, writer)
+        if self._agreed(self._record_best(step, metrics)):
+            self._save_best(step)
+        return self._agreed(self._out_of_patience())
+
     def _validate(self, step, writer):
-        """Runs `validate_fn` on the chief, logs its metrics and writes them as summaries."""
+        """Runs `validate_fn` on the chief, logs its metrics and writes them as summaries; returns them.
+
+        Returns None on the other workers, and without a `validate_fn`.
+        """
         if self.validate_fn is None or not self.is_chief:
-            return
+            return None
+        started = time.monotonic()
         with writer.as_default(step=step):
             metrics = self.validate_fn(self.model, step)
             for name, value in metrics.items():
                 tf.summary.scalar(name, value)
         writer.flush()
+        self._validation_seconds = time.monotonic() - started
         logger.info("validation at step %d | %s", step, " | ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        return metrics
+
+    def _keeps_best(self):
+        """Whether this run keeps a best checkpoint: it validates every `eval_every` steps, or did before."""
+        return self.is_chief and self.validate_fn is not None and (self.config.eval_every > 0 or self._best.step >= 0)
+
+    def _read_best_so_far(self, start_step):
+        """The chief's `_BestSoFar` at `start_step`: the BLEU of RUN/best, and the validations logged after it."""
+        found = best_checkpoint(self.run_dir) if self.is_chief and self.validate_fn is not None else None
+        if found is None:
+            return _BestSoFar()
+        path, bleu = found
+        best = _BestSoFar(checkpoint_step(path), bleu)
+        logged = read_scalars(self.run_dir / LOG_DIR / "validation").get(BEST_METRIC, [])
+        # Up to `start_step` only: validations of steps past the checkpoint resumed from are redone.
+        best.validations_since = sum(1 for step, _, _ in logged if best.step < step <= start_step)
+        return best
+
+    def _record_best(self, step, metrics):
+        """Records the validation BLEU of `step` on the chief; returns whether it is a new best."""
+        if metrics is None or not self._keeps_best():
+            return False
+        if BEST_METRIC not in metrics:
+            if self.config.patience:
+                logger.warning("The validation at step %d gave no %s: patience cannot count it.", step, BEST_METRIC)
+            return False
+        best = self._best
+        if best.update(step, metrics[BEST_METRIC]):
+            return True
+        logger.info(
+            "Validation BLEU %.2f at step %d: no better than %.2f at step %d (%d validation(s) without improvement%s).",
+            metrics[BEST_METRIC], step, best.bleu, best.step, best.validations_since,
+            f", patience {self.config.patience}" if self.config.patience else "",
+        )
+        return False
+
+    def _save_best(self, step):
+        """Saves the model as the best checkpoint of `step`, with its BLEU, on every worker."""
+        self._best_bleu.assign(self._best.bleu)  # The chief's BLEU; the other workers' copies are thrown away.
+        path = self._best_manager.save(checkpoint_number=step)
+        if self.is_chief:
+            logger.info("Best validation BLEU so far, %.2f at step %d: saved %s.", self._best.bleu, step, path)
+
+    def _out_of_patience(self):
+        """Whether `patience` validations in a row have not improved on the best BLEU (known on the chief)."""
+        return bool(self.config.patience) and self._best.validations_since >= self.config.patience
+
+    def _no_improvement(self):
+        """Why patience stopped the run, for the log."""
+        why = f"validation BLEU has not improved for {self.config.patience} validations (patience)"
+        if self.is_chief:
+            why += f"; the best, {self._best.bleu:.2f}, is step {self._best.step}'s"
+        return why
 
     def _summary_writers(self):
         if not self.is_chief:
@@ -556,9 +738,14 @@ class Trainer:
 
     def _stop_agreed(self):
         """Whether any worker was asked to stop (`request_stop`), agreed by all workers."""
-        if distribution.num_workers(self.strategy) == 1:
-            return self._stop_requested
-        return distribution.any_worker(self.strategy, self._stop_requested)
+        return self._agreed(self._stop_requested)
+
+    def _agreed(self, flag):
+        """`flag` of any worker, on every worker: a collective all of them must call (none with one worker).
+
+        The chief's decisions (validation) reach the others so: their own flag is False.
+        """
+        return distribution.any_worker(self.strategy, flag)
 
     def _out_of_time(self, started):
         """Whether the time budget is spent, agreed by all workers."""

@@ -1,23 +1,13 @@
 """Errors of the translate.py and `python -m export` command lines: one line each, no traceback."""
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import tensorflow as tf
 
 from keras_transformer import run_dir
 from keras_transformer.model import Transformer
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_translate_cli():
-    spec = importlib.util.spec_from_file_location("translate_cli", REPO / "translate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from repo_scripts import load_translate_cli  # noqa: E402
 
 
 @pytest.fixture
@@ -204,3 +194,44 @@ def test_config_json_is_as_readable_as_the_runs_other_files(run):
     other = run / "other"
     other.write_text("")
     assert (run / run_dir.CONFIG_FILE).stat().st_mode == other.stat().st_mode
+
+
+def test_translate_refuses_to_write_its_output_over_its_input(tmp_path, capsys, monkeypatch):
+    cli = load_translate_cli()
+    monkeypatch.setattr(cli, "load_translator", lambda args: pytest.fail("loaded the model first"))
+    path = tmp_path / "sentences.en"
+    path.write_text("A dog.\n")
+    exit_code = cli.main(["--saved-model", "m", "--input", str(path), "--output", str(path)])
+    _assert_translate_error(exit_code, capsys.readouterr().err, f"cannot write --output {path}: it is the --input file")
+    assert path.read_text() == "A dog.\n"
+
+
+def test_translate_reports_an_output_it_cannot_write_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    cli = load_translate_cli()
+    monkeypatch.setattr(cli, "load_translator", lambda args: pytest.fail("loaded the model first"))
+    missing = tmp_path / "missing" / "out.de"
+    exit_code = cli.main(["--saved-model", "m", "--output", str(missing), "A dog."])
+    _assert_translate_error(exit_code, capsys.readouterr().err, f"cannot write --output {missing}: No such file")
+
+
+def test_translate_loads_the_model_before_it_waits_for_input(tmp_path, capsys, monkeypatch):
+    cli = load_translate_cli()
+    monkeypatch.setattr(cli, "input_batches", lambda *args: pytest.fail("read the input first"))
+    exit_code = cli.main(["--saved-model", str(tmp_path / "nowhere")])
+    _assert_translate_error(exit_code, capsys.readouterr().err, "holds neither a saved_model.pb")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--saved-model", "m", "A dog."],
+        ["--run-dir", "r", "A dog.", "A cat."],
+        ["--run-dir", "r"],
+        ["--run-dir", "r", "--input", "sentences.en"],
+    ],
+)
+def test_translate_draws_attention_for_one_sentence_argument_of_a_run(capsys, flags):
+    with pytest.raises(SystemExit) as raised:
+        load_translate_cli().parse_args(["--attention", "a.png", *flags])
+    assert raised.value.code == 2
+    assert "--attention goes with --run-dir and one sentence given as an argument" in capsys.readouterr().err

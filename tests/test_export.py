@@ -7,7 +7,6 @@ response formats are exercised end to end.
 
 import contextlib
 import http.server
-import importlib.util
 import io
 import json
 import re
@@ -26,6 +25,7 @@ import tensorflow_text  # noqa: F401
 from export import client, saved_model
 from keras_transformer import decoding, run_dir
 from keras_transformer.translator import Translator
+from repo_scripts import load_translate_cli  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -99,24 +99,38 @@ def test_warmup_requests_are_prediction_logs_that_the_model_answers(exported, se
     from tensorflow_serving.apis import prediction_log_pb2
 
     records = list(tf.data.TFRecordDataset(str(exported[0] / "assets.extra" / saved_model.WARMUP_FILE)))
-    assert len(records) == 2
+    texts = []
     for record in records:
         log = prediction_log_pb2.PredictionLog.FromString(record.numpy())
+        assert log.WhichOneof("log_type") == "predict_log"
         request = log.predict_log.request
         assert request.model_spec.name == MODEL_NAME
         assert request.model_spec.signature_name == "serving_default"
+        assert list(request.inputs) == ["text"] and request.inputs["text"].dtype == tf.string.as_datatype_enum
         text = tf.make_ndarray(request.inputs["text"])
+        texts.append([t.decode() for t in text])
         assert len(translate(served["serving_default"], list(text))["translation"]) == len(text)
+    # One sentence, then a batch: the first shapes a server meets.
+    assert texts == [list(saved_model.CHECK_SENTENCES[:1]), list(saved_model.CHECK_SENTENCES[:3])]
+    assert any("PredictionLog requests are answered" in line for line in exported[1])
 
 
-def test_warmup_bytes_without_the_serving_api_are_the_same_protos():
-    tensor = tf.make_tensor_proto(
-        np.array([b"A dog.", b"Two cats."], dtype=object), dtype=tf.string
-    )
-    inputs = {"text": tensor}
-    assert saved_model._prediction_log_bytes(
-        MODEL_NAME, "serving_default", inputs
-    ) == saved_model._prediction_log(MODEL_NAME, "serving_default", inputs)
+def test_without_the_serving_api_the_export_has_no_warmup_requests_and_says_how_to_get_them(
+    tiny_translation_run, tmp_path, monkeypatch
+):
+    # None in sys.modules makes an import fail, as when the package is not installed.
+    for module in ("tensorflow_serving", "tensorflow_serving.apis"):
+        monkeypatch.setitem(sys.modules, module, None)
+    lines = []
+
+    version_dir = saved_model.export_run(tiny_translation_run, tmp_path / MODEL_NAME, log=lines.append)
+
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 1 and 'pip install -e ".[serving]"' in warnings[0]
+    assert not (version_dir / "assets.extra").exists()
+    assert len([line for line in lines if line.strip().startswith("ok:")]) == 4  # all checks but the warmups'
+    with pytest.raises(ImportError):
+        saved_model.warmup_records(MODEL_NAME, [["A dog."]])
 
 
 def parse_saved_model_cli(output):
@@ -519,7 +533,7 @@ def test_rest_client_row_and_columnar_requests(rest_server, translator, sentence
     assert [r["translation"] for r in results] == [t.decode() for t in expected["translation"]]
     np.testing.assert_allclose([r["score"] for r in results], expected["score"], rtol=1e-5)
 
-    options = {"beam_size": 3, "alpha": 0.6, "max_length": 0}
+    options = {"beam_size": 3, "alpha": 0.6, "max_length": 0, "min_length": -1}
     results = client.translate_rest(rest_server, MODEL_NAME, sentences[:3], options=options)
     assert [len(r["translations"]) for r in results] == [3, 3, 3]
     assert [r["translations"][0] for r in results] == [r["translation"] for r in results]
@@ -625,7 +639,7 @@ def test_grpc_client(grpc_server, translator, sentences):
         grpc_server,
         MODEL_NAME,
         sentences[:2],
-        options={"beam_size": 2, "alpha": 0.6, "max_length": 0},
+        options={"beam_size": 2, "alpha": 0.6, "max_length": 0, "min_length": -1},
     )
     assert [len(r["scores"]) for r in results] == [2, 2]
 
@@ -633,13 +647,6 @@ def test_grpc_client(grpc_server, translator, sentences):
 # ---------------------------------------------------------------------------
 # translate.py
 # ---------------------------------------------------------------------------
-
-
-def load_translate_cli():
-    spec = importlib.util.spec_from_file_location("translate_cli", REPO / "translate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_translate_cli_with_a_saved_model_and_with_a_run_dir(
@@ -693,6 +700,108 @@ def test_the_example_models_config_is_a_valid_model_server_config():
     )
     (model,) = config.model_config_list.config
     assert (model.name, model.base_path) == (MODEL_NAME, f"/models/{MODEL_NAME}")
+
+
+def batching_parameters_class():
+    """`tensorflow.serving.BatchingParameters`, built from its definition in TF Serving's
+    `session_bundle_config.proto` (tensorflow-serving-api does not ship that module)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
+
+    field = descriptor_pb2.FieldDescriptorProto
+    wrapped = {"max_batch_size": (1, "Int64Value"), "batch_timeout_micros": (2, "Int64Value"),
+               "max_enqueued_batches": (3, "Int64Value"), "num_batch_threads": (4, "Int64Value"),
+               "thread_pool_name": (5, "StringValue"), "enable_large_batch_splitting": (8, "BoolValue"),
+               "max_execution_batch_size": (9, "Int64Value")}
+    file = descriptor_pb2.FileDescriptorProto(
+        name="tensorflow_serving/servables/tensorflow/session_bundle_config.proto", package="tensorflow.serving",
+        dependency=["google/protobuf/wrappers.proto"], syntax="proto3",
+    )
+    message = file.message_type.add(name="BatchingParameters")
+    for name, (number, type_name) in wrapped.items():
+        message.field.add(name=name, number=number, label=field.LABEL_OPTIONAL, type=field.TYPE_MESSAGE,
+                          type_name=f".google.protobuf.{type_name}")
+    message.field.add(name="allowed_batch_sizes", number=6, label=field.LABEL_REPEATED, type=field.TYPE_INT64)
+    message.field.add(name="pad_variable_length_inputs", number=7, label=field.LABEL_OPTIONAL, type=field.TYPE_BOOL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(wrappers_pb2.DESCRIPTOR.serialized_pb)
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tensorflow.serving.BatchingParameters"))
+
+
+def batching_configs():
+    """export/batching.config as it is, and with its commented `allowed_batch_sizes` (for XLA exports) set."""
+    from google.protobuf import text_format
+
+    text = (REPO / "export" / "batching.config").read_text()
+    with_sizes = text.replace("# allowed_batch_sizes:", "allowed_batch_sizes:")
+    assert with_sizes != text
+    return [text_format.Parse(config, batching_parameters_class()()) for config in (text, with_sizes)]
+
+
+def test_the_batching_config_is_valid_batching_parameters_that_tf_serving_accepts():
+    config, with_sizes = batching_configs()
+    for params in (config, with_sizes):
+        # Every field set, none left to TF Serving's defaults by a typo.
+        assert {field.name for field, _ in params.ListFields()} >= {
+            "max_batch_size", "batch_timeout_micros", "num_batch_threads", "max_enqueued_batches"
+        }
+        assert params.num_batch_threads.value >= 1 and params.max_enqueued_batches.value >= 1
+        assert 0 <= params.batch_timeout_micros.value <= 10_000  # TF Serving's CPU advice: 0-10 ms
+        assert not params.enable_large_batch_splitting.value and not params.pad_variable_length_inputs
+    # python -m export.client's default requests fit in a batch.
+    assert config.max_batch_size.value >= client.parse_args(["--rest", "http://localhost:8501"]).batch_size
+    # The checks TF Serving makes when it loads a model with allowed_batch_sizes.
+    sizes = list(with_sizes.allowed_batch_sizes)
+    assert sizes == sorted(set(sizes)) and sizes[0] >= 1 and sizes[-1] == with_sizes.max_batch_size.value
+    assert not config.allowed_batch_sizes
+
+
+def test_every_field_of_the_batching_config_says_why():
+    lines = (REPO / "export" / "batching.config").read_text().splitlines()
+    for index, line in enumerate(lines):
+        if line.strip() and not line.startswith("#"):
+            assert lines[index - 1].startswith("# "), f"{line!r} has no comment above it"
+
+
+def tf_serving_batch(signature, requests, allowed_batch_sizes):
+    """The outputs of `requests` (lists of sentences) run as one TF Serving batch, split back per request.
+
+    As TF Serving's BatchingSession does: inputs concatenated along dimension 0, padded to
+    the next allowed size with copies of the last request's first row, outputs split
+    along dimension 0 (which every output must have).
+    """
+    rows = [len(request) for request in requests]
+    padded = min(size for size in allowed_batch_sizes if size >= sum(rows))
+    merged = [text for request in requests for text in request] + [requests[-1][0]] * (padded - sum(rows))
+    outputs = translate(signature, merged)
+    assert all(value.ndim >= 1 and len(value) == padded for value in outputs.values())
+    bounds = np.cumsum([0, *rows])
+    return [{name: value[start:end] for name, value in outputs.items()} for start, end in zip(bounds, bounds[1:])]
+
+
+def test_serving_default_answers_batched_requests_as_each_alone(served, sentences):
+    """TF Serving's batching merges requests and splits the outputs; each request gets its own answer."""
+    _, with_sizes = batching_configs()
+    signature = served["serving_default"]
+    specs = [*signature.structured_input_signature[1].values(), *signature.structured_outputs.values()]
+    assert all(spec.shape.rank == 1 and spec.shape[0] is None for spec in specs)  # [batch] only
+    requests = [sentences[:1], [*sentences[1:3], BAD_INPUTS[0].decode()], sentences[3:5]]
+
+    batched = tf_serving_batch(signature, requests, list(with_sizes.allowed_batch_sizes))
+
+    for request, answer in zip(requests, batched, strict=True):
+        alone = translate(signature, request)
+        assert list(answer["translation"]) == list(alone["translation"])
+        np.testing.assert_allclose(answer["score"], alone["score"], rtol=1e-5)
+
+
+def test_translate_with_options_has_scalar_inputs_which_tf_serving_cannot_batch(served):
+    """What export/batching.config and README say: under --enable_batching only serving_default is served."""
+    inputs = served["translate_with_options"].structured_input_signature[1]
+    assert {name for name, spec in inputs.items() if spec.shape.rank == 0} == {
+        "beam_size", "alpha", "max_length", "min_length"
+    }
+    assert "translate_with_options" in (REPO / "export" / "batching.config").read_text()
 
 
 def test_a_run_translates_with_its_own_beam_size_and_length_penalty(tiny_translation_run, tmp_path):

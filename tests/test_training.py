@@ -26,6 +26,7 @@ from keras_transformer.model import Transformer
 from keras_transformer.schedule import TransformerSchedule
 from keras_transformer.tokenizer import SubwordTokenizer
 from keras_transformer.trainer import Trainer, TrainingConfig
+from repo_scripts import import_train_script as _import_train_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "training_worker.py"
@@ -462,15 +463,6 @@ def test_translation_progress_logs_at_most_every_so_many_seconds(monkeypatch, ca
 
 
 # --- Bad flags ---------------------------------------------------------------------------
-
-
-def _import_train_script():
-    sys.path.insert(0, str(ROOT))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(ROOT))
-    return train
 
 
 def _snapshot(directory):

@@ -1,0 +1,191 @@
+"""Corpus scores (BLEU and chrF) wherever they are reported: validation, the test set, checkpoint averaging.
+
+Expected values come from sacrebleu's own `corpus_bleu`/`corpus_chrf` functions, an entry
+point independent of the metric objects `keras_transformer.evaluation` uses, and the
+TensorBoard scalars are read back from the event files.
+"""
+
+import logging
+import re
+
+import pytest
+import sacrebleu
+import tensorflow as tf
+
+from keras_transformer import distribution, evaluation, run_dir
+from keras_transformer.model import Transformer
+from keras_transformer.trainer import Trainer, TrainingConfig
+from repo_scripts import import_train_script as _import_train_script  # noqa: E402
+
+
+PAIRS = [
+    ("A man in a red house.", "Ein Mann in einem roten Haus."),
+    ("A dog runs on the grass.", "Ein Hund rennt auf dem Gras."),
+    ("Two men play in the street.", "Zwei Männer spielen auf der Straße."),
+    ("A girl jumps into the lake.", "Ein Mädchen springt in den See."),
+]
+REFERENCES = [target for _, target in PAIRS]
+# Some right, some cased or inflected differently, one missing: neither score is 0 or 100.
+HYPOTHESES = [
+    "Ein Mann in einem roten Haus.",
+    "ein Hund läuft auf dem Gras.",
+    "Zwei Männer spielen auf die Straße",
+    "Ein Kind.",
+]
+VERSION = sacrebleu.__version__
+BLEU_SIGNATURE = f"nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:{VERSION}"
+CHRF_SIGNATURE = f"nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:{VERSION}"
+
+
+def test_chrf_is_sacrebleus_corpus_chrf_and_bleu_its_cased_13a_corpus_bleu():
+    scores = evaluation.corpus_scores(HYPOTHESES, REFERENCES, "de")
+
+    assert scores.chrf.score == sacrebleu.corpus_chrf(HYPOTHESES, [REFERENCES]).score
+    assert scores.bleu.score == sacrebleu.corpus_bleu(HYPOTHESES, [REFERENCES], tokenize="13a").score
+    assert 0 < scores.bleu.score < scores.chrf.score < 100
+    assert (scores.bleu_signature, scores.chrf_signature) == (BLEU_SIGNATURE, CHRF_SIGNATURE)
+    assert scores.metrics() == {"bleu": scores.bleu.score, "chrf": scores.chrf.score}
+    # Cased: lowercasing a hypothesis changes BLEU.
+    lowered = evaluation.corpus_scores([h.lower() for h in HYPOTHESES], REFERENCES, "de")
+    assert lowered.bleu.score < scores.bleu.score
+
+
+def test_the_bleu_only_api_is_the_same_bleu():
+    scores = evaluation.corpus_scores(HYPOTHESES, REFERENCES, "de")
+    bleu = evaluation.corpus_bleu(HYPOTHESES, REFERENCES, "de")
+    assert (bleu.score, bleu.text, bleu.signature) == (scores.bleu.score, str(scores.bleu), BLEU_SIGNATURE)
+    assert str(bleu) == f"{scores.bleu} | {BLEU_SIGNATURE}"
+
+
+def test_scores_print_bleu_then_chrf_each_with_its_signature():
+    scores = evaluation.corpus_scores(HYPOTHESES, REFERENCES, "de")
+    bleu_line, chrf_line = str(scores).splitlines()
+    assert re.fullmatch(rf"BLEU = {scores.bleu.score:.2f} [\d./]+ \(BP = .*\) \| {re.escape(BLEU_SIGNATURE)}",
+                        bleu_line)
+    assert chrf_line == f"chrF2 = {scores.chrf.score:.2f} | {CHRF_SIGNATURE}"
+
+
+def test_as_many_hypotheses_as_references_are_needed():
+    with pytest.raises(ValueError, match="3 hypotheses for 4 references"):
+        evaluation.corpus_scores(HYPOTHESES[:3], REFERENCES)
+
+
+def _values(scalars, tag):
+    return [(step, value) for step, _, value in scalars[tag]]
+
+
+def _translations_for_the_references(monkeypatch):
+    """`evaluation.translate` answers `HYPOTHESES` for the `PAIRS` sources, whatever the model."""
+    sources = [source for source, _ in PAIRS]
+
+    def translate(model, tokenizer, texts, **kwargs):
+        return [HYPOTHESES[sources.index(text)] for text in texts]
+
+    monkeypatch.setattr(evaluation, "translate", translate)
+
+
+def _copy_task(input_context):
+    """Two `((source, decoder_inputs), labels)` batches of random ids."""
+    ids = tf.random.stateless_uniform([2, 4, 10], seed=(1, 2), minval=4, maxval=50, dtype=tf.int32)
+    return tf.data.Dataset.from_tensor_slices(((ids[:, :, :9], ids[:, :, :9]), ids[:, :, 1:]))
+
+
+@pytest.mark.slow
+def test_validation_logs_and_writes_chrf_next_to_bleu(tmp_path, multi30k_tokenizer, monkeypatch, caplog):
+    """A training run's validation: the metrics, its log lines and its TensorBoard scalars hold both scores."""
+    _translations_for_the_references(monkeypatch)
+    caplog.set_level(logging.INFO, logger="keras_transformer")
+    validator = evaluation.Validator(
+        PAIRS, multi30k_tokenizer, bleu_sentences=len(PAIRS), beam_size=1, attention_examples=0, target_lang="de"
+    )
+    trainer = Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=multi30k_tokenizer.vocab_size, dtype=dtype),
+        tmp_path,
+        TrainingConfig(train_steps=2, warmup_steps=20, eval_every=1),
+        validate_fn=validator,
+    )
+
+    trainer.fit(_copy_task)
+
+    expected_bleu = sacrebleu.corpus_bleu(HYPOTHESES, [REFERENCES]).score
+    expected_chrf = sacrebleu.corpus_chrf(HYPOTHESES, [REFERENCES]).score
+    scalars = run_dir.read_scalars(tmp_path / run_dir.LOG_DIR / "validation")
+    assert _values(scalars, "bleu") == [(1, pytest.approx(expected_bleu)), (2, pytest.approx(expected_bleu))]
+    assert _values(scalars, "chrf") == [(1, pytest.approx(expected_chrf)), (2, pytest.approx(expected_chrf))]
+    messages = [record.getMessage() for record in caplog.records]
+    validations = [message for message in messages if message.startswith("validation at step")]
+    assert len(validations) == 2
+    assert all(f"| bleu {expected_bleu:.3f} | chrf {expected_chrf:.3f}" in line for line in validations)
+    # The signatures, once: they do not change from one validation to the next.
+    (signatures,) = [message for message in messages if "sacrebleu" in message]
+    assert signatures.endswith(f"first 4 validation sentences: BLEU {BLEU_SIGNATURE}, chrF {CHRF_SIGNATURE}")
+
+
+def test_the_test_set_line_and_scalars_hold_bleu_and_chrf(tmp_path, monkeypatch, caplog):
+    """train.py's final evaluation prints both scores with their signatures and writes both scalars."""
+    _translations_for_the_references(monkeypatch)
+    monkeypatch.setattr(run_dir, "checkpoint_path", lambda run, which: str(run / "checkpoints" / "ckpt-7"))
+    monkeypatch.setattr(run_dir, "load_model", lambda run, which: None)
+    monkeypatch.setattr(run_dir, "load_tokenizer", lambda run: None)
+    caplog.set_level(logging.INFO, logger="train")
+    corpus = type("Corpus", (), {"test": PAIRS, "validation": PAIRS, "target_lang": "de"})()
+    settings = {"average_last": 0, "bleu_sentences": 4, "beam_size": 1, "alpha": 0.6, "max_length": 16}
+
+    _import_train_script().final_evaluation(tmp_path, corpus, settings)
+
+    expected = evaluation.corpus_scores(HYPOTHESES, REFERENCES, "de")
+    (line,) = [record.getMessage() for record in caplog.records if record.getMessage().startswith("Test ")]
+    headline, bleu_line, chrf_line = line.splitlines()
+    assert headline.startswith("Test BLEU and chrF (checkpoints/ckpt-7, 4 sentences, ")
+    assert bleu_line == f"  {expected.bleu} | {BLEU_SIGNATURE}"
+    assert chrf_line == f"  {expected.chrf} | {CHRF_SIGNATURE}"
+    scalars = run_dir.read_scalars(tmp_path / run_dir.LOG_DIR / "test")
+    assert _values(scalars, "bleu") == [(7, pytest.approx(sacrebleu.corpus_bleu(HYPOTHESES, [REFERENCES]).score))]
+    assert _values(scalars, "chrf") == [(7, pytest.approx(sacrebleu.corpus_chrf(HYPOTHESES, [REFERENCES]).score))]
+    assert (tmp_path / run_dir.TRANSLATIONS_DIR / "test.de").read_text(encoding="utf-8").splitlines() == HYPOTHESES
+
+
+# Higher BLEU, lower chrF than `CHRF_BETTER`: four-word runs in one sentence, little elsewhere.
+BLEU_BETTER = ["Ein Mann in einem roten Haus.", "Hund.", "Männer.", "Mädchen."]
+# Many right characters in wrongly inflected words: no matching 4-gram, BLEU 0.
+CHRF_BETTER = [
+    "Einen Manne im einen rotem Hause",
+    "Einen Hunde rennen aufs den Grase",
+    "Zweie Männern spielten aufs die Straßen",
+    "Eine Mädchens springen ins dem Seen",
+]
+
+
+@pytest.mark.parametrize("bleu_better", ["averaged", "latest"])
+def test_bleu_decides_whether_the_average_is_kept_and_chrf_is_logged_next_to_it(
+    tmp_path, monkeypatch, caplog, bleu_better
+):
+    """Of two checkpoints, one better in BLEU and the other in chrF, the average is kept when it is BLEU's."""
+    model = Transformer.from_preset("tiny", vocab_size=50)
+    model.build()
+    run_dir.write_config(tmp_path, {"model": run_dir.model_config(model)})
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(tmp_path / "checkpoints"), 3)
+    for step in (10, 20):
+        manager.save(checkpoint_number=step)
+    monkeypatch.setattr(run_dir, "load_model", lambda run, which: which)
+    monkeypatch.setattr(run_dir, "load_tokenizer", lambda run: None)
+    monkeypatch.setattr(
+        evaluation, "translate",
+        lambda model, tokenizer, sources, **kwargs: BLEU_BETTER if model == bleu_better else CHRF_BETTER,
+    )
+    caplog.set_level(logging.INFO, logger="train")
+    corpus = type("Corpus", (), {"validation": PAIRS, "target_lang": "de"})()
+    settings = {"average_last": 2, "bleu_sentences": 4, "beam_size": 1, "alpha": 0.6, "max_length": 16}
+
+    _import_train_script().average_if_better(tmp_path, corpus, settings)
+
+    assert (tmp_path / run_dir.AVERAGED_DIR).exists() == (bleu_better == "averaged")
+    by_bleu, by_chrf = (evaluation.corpus_scores(h, REFERENCES, "de") for h in (BLEU_BETTER, CHRF_BETTER))
+    assert by_bleu.bleu.score > by_chrf.bleu.score and by_bleu.chrf.score < by_chrf.chrf.score
+    averaged, latest = (by_bleu, by_chrf) if bleu_better == "averaged" else (by_chrf, by_bleu)
+    (line,) = [record.getMessage() for record in caplog.records if record.getMessage().startswith("Validation BLEU")]
+    assert line == (
+        f"Validation BLEU (4 sentences): averaged {averaged.bleu.score:.2f}, latest {latest.bleu.score:.2f} "
+        f"(chrF {averaged.chrf.score:.2f}, {latest.chrf.score:.2f})."
+    )

@@ -1,0 +1,527 @@
+"""The everyday workflow of train.py: config files, a step-based default, validation-driven training.
+
+Runs of `train.py` happen in subprocesses (it seeds TensorFlow globally, which drops the
+SentencePiece resources of the session's tokenizer fixtures); settings are resolved and
+the `Trainer` runs in this process.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_transformer import distribution, run_dir
+from keras_transformer.model import Transformer
+from keras_transformer.trainer import Trainer, TrainingConfig
+from repo_scripts import import_train_script as _import_train_script  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPROCESS_TIMEOUT = 240
+
+
+def _resolve(*flags):
+    train = _import_train_script()
+    return train.resolve_settings(train.build_parser().parse_args(list(flags)))[0]
+
+
+def _one_line_error(exit_code, stderr):
+    assert exit_code == 2
+    assert "Traceback" not in stderr, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("train.py: error: "), stderr[-2000:]
+    return last
+
+
+def _write(path, config):
+    """Writes `config` as JSON or YAML, by `path`'s extension."""
+    import yaml
+
+    path.write_text(yaml.safe_dump(config) if path.suffix in (".yaml", ".yml") else json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory, multi30k_dir):
+    """`--dataset files` flags of 2000 Multi30k training pairs and 4 validation and test pairs."""
+    from keras_transformer.corpora import load_multi30k
+
+    corpus = load_multi30k(multi30k_dir)
+    directory = tmp_path_factory.mktemp("corpus")
+    for split, pairs in (("train", corpus.train[:2000]), ("val", corpus.validation[:4]), ("test", corpus.test[:4])):
+        for side, lang in enumerate(("en", "de")):
+            (directory / f"{split}.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs))
+    return ["--dataset", "files", "--data-dir", str(directory), "--source-lang", "en", "--target-lang", "de"]
+
+
+def _train(*flags, python=None):
+    """train.py with `flags` in a subprocess (or `python`, code that ends by calling train.main(FLAGS))."""
+    command = [sys.executable, "train.py", *flags] if python is None else [
+        sys.executable, "-c", python.replace("FLAGS", repr(list(flags)))
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+# --- Config files --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_runs_config_json_given_back_trains_the_same_run(tmp_path, small_corpus):
+    """--config RUN/config.json --run-dir NEW: NEW's config.json is RUN's, model and replicas included."""
+    run, new = tmp_path / "run", tmp_path / "new"
+    _train("--run-dir", str(run), "--preset", "tiny", *small_corpus, "--vocab-size", "1000", "--max-length", "64",
+           "--train-steps", "3", "--seed", "3", "--warmup-steps", "50", "--label-smoothing", "0.2", "--alpha", "0.8",
+           "--beam-size", "1", "--bleu-sentences", "0", "--dropout", "0.15", "--max-minutes", "30")
+    given_back = run_dir.read_config(run)
+    # The data directory is no setting of a run: each command gives it.
+    data_dir = small_corpus[small_corpus.index("--data-dir") + 1]
+    _train("--config", str(run / run_dir.CONFIG_FILE), "--run-dir", str(new), "--data-dir", data_dir)
+    assert run_dir.read_config(new) == given_back
+    assert given_back["train"]["seed"] == 3 and given_back["model"]["dropout_rate"] == 0.15
+
+
+def _saved_run(directory, **train_settings):
+    """A run directory as a `tiny` run's start leaves it: its config.json, nothing trained."""
+    train = _import_train_script()
+    settings = _resolve("--preset", "tiny", "--run-dir", str(directory / "elsewhere"))
+    settings.update(source_lang="en", target_lang="de", **train_settings)
+    run_dir.write_config(directory, train.run_config(settings))
+    return directory
+
+
+def test_flags_override_the_file_which_overrides_the_run_and_the_recipe(tmp_path):
+    run = _saved_run(tmp_path / "run", train_steps=200, log_every=5, eval_every=10)
+    config = _write(tmp_path / "exp.yaml", {"train": {"train_steps": 50, "log_every": 7, "alpha": 1.0}})
+
+    settings = _resolve("--run-dir", str(run), "--config", str(config), "--log-every", "9")
+
+    assert settings["log_every"] == 9  # flag over file
+    assert settings["train_steps"] == 50 and settings["alpha"] == 1.0  # file over the run and the recipe
+    assert settings["eval_every"] == 10  # the run over the recipe (tiny: 0)
+    assert settings["keep_checkpoints"] == 3 and settings["preset"] == "tiny"  # the recipe of the run's preset
+
+
+def test_a_file_chooses_the_preset_and_with_it_the_recipe_and_run_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = _write(tmp_path / "exp.json", {"train": {"preset": "tiny"}})
+    train = _import_train_script()
+    settings, run, _ = train.resolve_settings(train.build_parser().parse_args(["--config", str(config)]))
+    assert settings["train_steps"] == train.RECIPES["tiny"]["train_steps"]
+    assert run == Path("runs") / "multi30k-tiny"
+
+
+def test_steps_in_a_file_replace_the_runs_epochs(tmp_path):
+    run = _saved_run(tmp_path / "run", epochs=2.0, train_steps=600)
+    assert _resolve("--run-dir", str(run))["epochs"] == 2.0
+    config = _write(tmp_path / "exp.yaml", {"train": {"train_steps": 50}})
+    settings = _resolve("--run-dir", str(run), "--config", str(config))
+    assert settings["epochs"] is None and settings["train_steps"] == 50
+
+
+def test_a_pinned_setting_of_a_file_is_refused_by_the_run(tmp_path, capsys):
+    run = _saved_run(tmp_path / "run")
+    config = _write(tmp_path / "exp.yaml", {"train": {"seed": 1}})
+    before = (run / run_dir.CONFIG_FILE).read_text()
+    exit_code = _import_train_script().main(["--run-dir", str(run), "--config", str(config)])
+    line = _one_line_error(exit_code, capsys.readouterr().err)
+    assert f"{run} was trained with --seed 0, not 1 (train.seed of --config {config})" in line
+    assert "leave train.seed out to continue this run" in line
+    assert (run / run_dir.CONFIG_FILE).read_text() == before
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"train": {"max_minutes": "ten"}}, 'train.max_minutes must be a number, got "ten".'),
+        ({"train": {"max_minute": 10}}, "unknown key train.max_minute; did you mean train.max_minutes?"),
+        ({"train": {"vocab_size": 1000}}, "unknown key train.vocab_size; did you mean data.vocab_size?"),
+        ({"train": {"warmup_steps": 0}}, "train.warmup_steps must be a positive integer, got 0."),
+        ({"train": {"train_steps": 2.5}}, "train.train_steps must be an integer, got 2.5."),
+        ({"train": {"seed": None}}, "train.seed must be an integer, got null."),
+        ({"train": {"jit_compile": "yes"}}, 'train.jit_compile must be true or false, got "yes".'),
+        ({"train": {"replicas": "two"}}, 'train.replicas must be an integer, got "two".'),
+        ({"data": {"corpus": "wmt15"}}, 'data.corpus must be one of multi30k, wmt14, ted_pt_en, files, got "wmt15".'),
+        ({"data": {"source_lang": False}}, "data.source_lang must be a string, got false (quote it: YAML reads"),
+        ({"data": {"data_dir": "/data"}}, "unknown key data.data_dir: --data-dir is no setting of the run"),
+        ({"model": {"dropout_rate": 1.5}}, "model.dropout_rate must be in [0, 1), got 1.5."),
+        ({"model": {"d_model": 512}}, "model.d_model is 512, but the small preset with vocab_size 8000 has 256"),
+        ({"optimizer": {}}, "unknown section 'optimizer'"),
+        ({"train": [1, 2]}, "train must be a mapping of keys to values, got [1, 2]."),
+    ],
+    ids=["type", "typo", "section", "range", "integer", "null", "boolean", "replicas", "choice", "yaml-no",
+         "per-command", "probability", "derived", "unknown-section", "not-a-mapping"],
+)
+def test_a_wrong_key_or_value_in_a_file_is_one_error_naming_it(tmp_path, capsys, config, message):
+    path = _write(tmp_path / "exp.yaml", config)
+    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--config", str(path)])
+    line = _one_line_error(exit_code, capsys.readouterr().err)
+    assert line.startswith(f"train.py: error: --config {path}: ") and message in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_model_keys_a_preset_determines_pass_with_the_files_own_settings(tmp_path):
+    """A tiny run's model section passes, even with a flag that changes what the section describes."""
+    model = Transformer.from_preset("tiny", vocab_size=1000, dropout_rate=0.2)
+    config = {"train": {"preset": "tiny"}, "data": {"vocab_size": 1000}, "model": run_dir.model_config(model)}
+    path = _write(tmp_path / "exp.json", config)
+    settings = _resolve("--run-dir", str(tmp_path / "run"), "--config", str(path), "--vocab-size", "2000")
+    assert (settings["vocab_size"], settings["dropout"]) == (2000, 0.2)
+
+
+@pytest.mark.parametrize("name", ["exp.yaml", "exp.yml", "exp.json", "exp.cfg", "json-text.cfg"])
+def test_yaml_and_json_files_load_alike(tmp_path, name):
+    config = {"data": {"token_budget": 4096, "long_sentences": "truncate"},
+              "train": {"preset": "tiny", "max_minutes": None, "learning_rate_scale": 1.5, "jit_compile": True}}
+    path = tmp_path / name
+    if name == "exp.cfg":  # YAML, told by its text
+        path.write_text("data:\n  token_budget: 4096\n  long_sentences: truncate\ntrain:\n  preset: tiny\n"
+                        "  max_minutes: null\n  learning_rate_scale: 1.5\n  jit_compile: true\n")
+    elif name == "json-text.cfg":
+        path.write_text(json.dumps(config))
+    else:
+        _write(path, config)
+    settings = _resolve("--run-dir", str(tmp_path / "run"), "--config", str(path))
+    assert (settings["token_budget"], settings["long_sentences"], settings["max_minutes"]) == (4096, "truncate", None)
+    assert (settings["learning_rate_scale"], settings["jit_compile"], settings["preset"]) == (1.5, True, "tiny")
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("exp.yaml", "train:\n  seed: [1\n", "not valid YAML ("),
+        ("exp.json", '{"train": {"seed": 1,}}', "not valid JSON ("),
+        ("exp.yaml", "- 1\n- 2\n", "must hold a mapping of sections (data, train, model), got [1, 2]."),
+    ],
+    ids=["yaml", "json", "list"],
+)
+def test_a_file_that_is_no_settings_mapping_is_one_error(tmp_path, capsys, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--config", str(path)])
+    line = _one_line_error(exit_code, capsys.readouterr().err)
+    assert f"--config {path}: {message}" in line, line
+
+
+def test_a_missing_file_or_a_directory_is_one_error(tmp_path, capsys):
+    train = _import_train_script()
+    line = _one_line_error(train.main(["--config", str(tmp_path / "nope.yaml")]), capsys.readouterr().err)
+    assert f"--config {tmp_path / 'nope.yaml'}: cannot read it (No such file or directory)." in line
+    line = _one_line_error(train.main(["--config", str(tmp_path)]), capsys.readouterr().err)
+    assert f"--config {tmp_path} is a directory; give a file, such as {tmp_path / 'config.json'}." in line
+
+
+# --- A step-based default ----------------------------------------------------------------------
+
+
+def test_the_default_recipe_stops_after_its_steps_not_on_time():
+    train = _import_train_script()
+    assert train.RECIPES["small"]["max_minutes"] is None and train.RECIPES["small"]["train_steps"] == 800
+    settings = _resolve("--run-dir", "unused")
+    assert (settings["preset"], settings["train_steps"], settings["max_minutes"]) == ("small", 800, None)
+    assert _resolve("--run-dir", "unused", "--max-minutes", "5")["max_minutes"] == 5.0
+
+
+def _synthetic_pairs_dataset(input_context):
+    """One epoch of four `((source, decoder_inputs), labels)` batches of a copy task on random ids."""
+    ids = tf.random.stateless_uniform([4, 8, 10], seed=(1, 2), minval=4, maxval=50, dtype=tf.int32)
+    return tf.data.Dataset.from_tensor_slices(((ids[:, :, :9], ids[:, :, :9]), ids[:, :, 1:]))
+
+
+def _trainer(run, validate_fn=None, **config):
+    # log_every 1: every step computes the gradient norm, so one step function is traced, not two.
+    config = {"train_steps": 10, "warmup_steps": 20, "log_every": 1, **config}
+    return Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+        run,
+        TrainingConfig(**config),
+        validate_fn=validate_fn,
+    )
+
+
+def test_a_run_logs_its_plan_and_an_estimate_after_its_first_timed_steps(tmp_path, caplog):
+    """Step 1 traces the step function; steps 2-11 are timed, then the estimate of the 3 steps left."""
+    trainer = _trainer(tmp_path / "run", train_steps=14)
+    with caplog.at_level("INFO", logger="keras_transformer.trainer"):
+        trainer.fit(_synthetic_pairs_dataset)
+    messages = [record.getMessage() for record in caplog.records]
+    assert re.fullmatch(r"Training Transformer \([\d,]+ parameters\) on 1 replica\(s\): 14 steps \(1-14\)\.",
+                        messages[0]), messages[0]
+    estimates = [message for message in messages if "timed steps" in message]
+    assert len(estimates) == 1 and re.fullmatch(
+        r"\d+\.\d\d s a step over the first 10 timed steps: the 3 steps left take about \d+s\.", estimates[0]
+    ), estimates
+
+
+def test_the_eta_counts_the_validations_still_due(tmp_path):
+    trainer = _trainer(tmp_path / "run", train_steps=20, eval_every=5)
+    assert trainer._validation_time_left(7) == 0.0  # no validation timed yet
+    trainer._validation_seconds = 2.0
+    assert trainer._validation_time_left(7) == 3 * 2.0  # steps 10 and 15, and the final one at 20
+    assert trainer._validation_time_left(20) == 2.0  # the final one, still to come
+
+
+# --- Validation-driven training ----------------------------------------------------------------
+
+
+def _bleu_validator(bleu_by_step, weights=None):
+    """A validate_fn returning the BLEU of `bleu_by_step[step]`, recording the model's weights by step."""
+
+    def validate(model, step):
+        if weights is not None:
+            weights[step] = [variable.numpy() for variable in model.trainable_variables]
+        return {"loss": 1.0, "bleu": bleu_by_step[step]}
+
+    return validate
+
+
+def test_patience_stops_the_run_and_the_best_checkpoint_outlives_the_rotation(tmp_path, caplog):
+    """BLEU 10, 12, 11, 11 at steps 1-4 with patience 2: training stops at step 4, "best" is step 2."""
+    run = tmp_path / "run"
+    weights = {}
+    trainer = _trainer(run, _bleu_validator({1: 10.0, 2: 12.0, 3: 11.0, 4: 11.0, 5: 11.0}, weights), eval_every=1,
+                       patience=2, checkpoint_every=1, keep_checkpoints=1)
+    run_dir.write_config(run, {"model": run_dir.model_config(trainer.model)})
+    with caplog.at_level("INFO", logger="keras_transformer.trainer"):
+        result = trainer.fit(_synthetic_pairs_dataset)
+
+    assert (result.step, result.out_of_patience, result.stopped_early) == (4, True, False)
+    assert sorted(weights) == [1, 2, 3, 4]
+    assert [Path(path).name for path in run_dir.checkpoints(run / run_dir.CHECKPOINT_DIR)] == ["ckpt-4"]
+    best = run_dir.checkpoint_path(run, "best")
+    assert best == str(run / run_dir.BEST_DIR / "ckpt-2")
+    assert run_dir.best_checkpoint(run) == (best, 12.0)
+    for loaded, saved in zip(run_dir.load_model(run, "best").trainable_variables, weights[2]):
+        np.testing.assert_array_equal(loaded.numpy(), saved)
+    assert run_dir.checkpoint_path(run, "latest").endswith("ckpt-4")
+    messages = [record.getMessage() for record in caplog.records]
+    assert "Stopping at step 4 of 10: validation BLEU has not improved for 2 validations (patience); the best, " \
+           "12.00, is step 2's." in messages, messages
+
+
+def test_patience_counts_on_across_a_resume(tmp_path):
+    """Resumed after step 3 (BLEU 10, 12, 11), the run stops at step 4; run again, it has nothing to do."""
+    run = tmp_path / "run"
+    bleu = {1: 10.0, 2: 12.0, 3: 11.0, 4: 11.0, 5: 11.0}
+    first = _trainer(run, _bleu_validator(bleu), train_steps=3, eval_every=1, patience=2).fit(_synthetic_pairs_dataset)
+    assert (first.step, first.out_of_patience) == (3, False)
+
+    validated = {}
+    resumed = _trainer(run, _bleu_validator(bleu, validated), eval_every=1, patience=2).fit(_synthetic_pairs_dataset)
+    assert (resumed.start_step, resumed.step, resumed.out_of_patience) == (3, 4, True)
+    assert sorted(validated) == [4]
+
+    again = _trainer(run, _bleu_validator(bleu, validated), eval_every=1, patience=2).fit(_synthetic_pairs_dataset)
+    assert (again.start_step, again.step, again.out_of_patience) == (4, 4, True)
+    assert sorted(validated) == [4]
+    assert run_dir.best_checkpoint(run) == (str(run / run_dir.BEST_DIR / "ckpt-2"), 12.0)
+
+
+def test_a_run_without_periodic_validation_keeps_no_best_checkpoint(tmp_path):
+    """eval_every 0: only the final validation, and "best" keeps its meaning: averaged, else latest."""
+    run = tmp_path / "run"
+    _trainer(run, _bleu_validator({4: 20.0}), train_steps=4).fit(_synthetic_pairs_dataset)
+    assert not (run / run_dir.BEST_DIR).exists()
+    assert run_dir.checkpoint_path(run, "best") == run_dir.checkpoint_path(run, "latest")
+
+
+def test_the_final_validation_can_be_the_best(tmp_path):
+    run = tmp_path / "run"
+    _trainer(run, _bleu_validator({2: 10.0, 3: 15.0}), train_steps=3, eval_every=2).fit(_synthetic_pairs_dataset)
+    assert run_dir.best_checkpoint(run) == (str(run / run_dir.BEST_DIR / "ckpt-3"), 15.0)
+
+
+def test_a_worker_follows_the_chiefs_decisions_in_the_same_collectives(tmp_path, monkeypatch):
+    """Two workers simulated in turn: the other worker's `any_worker` calls return what the chief decided.
+
+    Both make the same calls in the same order (else the all-reduces would not pair up), and
+    the other worker saves the best checkpoint and stops at the chief's step, without
+    writing to the run directory.
+    """
+    calls = []
+
+    def chief_any_worker(strategy, flag):
+        calls.append(bool(flag))
+        return bool(flag)
+
+    monkeypatch.setattr(distribution, "any_worker", chief_any_worker)
+    bleu = {1: 10.0, 2: 12.0, 3: 11.0, 4: 11.0, 5: 11.0}
+    chief = _trainer(tmp_path / "run", _bleu_validator(bleu), eval_every=1, patience=2).fit(_synthetic_pairs_dataset)
+    assert chief.step == 4 and any(calls)
+
+    decisions = iter(calls)
+    others = []
+
+    def worker_any_worker(strategy, flag):
+        assert not flag  # The other worker decides nothing itself.
+        others.append(flag)
+        return next(decisions)
+
+    monkeypatch.setattr(distribution, "any_worker", worker_any_worker)
+    monkeypatch.setattr(distribution, "is_chief", lambda strategy: False)
+    worker = _trainer(tmp_path / "worker-run", None, eval_every=1, patience=2)
+    saved = []
+    monkeypatch.setattr(worker._best_manager, "save", lambda checkpoint_number: saved.append(checkpoint_number))
+    result = worker.fit(_synthetic_pairs_dataset)
+    assert (result.step, result.out_of_patience) == (4, True)
+    assert len(others) == len(calls)
+    assert saved == [1, 2]  # the chief's new bests
+    assert not (tmp_path / "worker-run").exists()
+
+
+def test_patience_needs_a_validation_function_on_the_chief(tmp_path):
+    with pytest.raises(ValueError, match="patience .2. needs a validate_fn on the chief"):
+        _trainer(tmp_path / "run", None, eval_every=1, patience=2)
+    with pytest.raises(ValueError, match="patience .2. counts validations: it needs eval_every > 0"):
+        TrainingConfig(train_steps=10, patience=2)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--patience", "2"], "--patience 2 counts validations, but --eval-every is 0 (one validation, at the end): "
+                              "give --eval-every N, or --patience 0."),
+        (["--patience", "2", "--eval-every", "10", "--bleu-sentences", "0"],
+         "--patience 2 watches the validation BLEU, but --bleu-sentences is 0"),
+    ],
+    ids=["no-eval-every", "no-bleu"],
+)
+def test_patience_without_validation_bleu_is_one_error(tmp_path, capsys, flags, message):
+    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", *flags])
+    assert message in _one_line_error(exit_code, capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
+def _run_with_best(directory, best_step=10, steps=(10, 20)):
+    """A run directory with checkpoints at `steps` and the best checkpoint at `best_step`."""
+    model = Transformer.from_preset("tiny", vocab_size=50)
+    model.build()
+    run_dir.write_config(directory, {"model": run_dir.model_config(model), "train": {"average_last": 2}})
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(directory / run_dir.CHECKPOINT_DIR), 3)
+    for step in steps:
+        manager.save(checkpoint_number=step)
+    best = tf.train.Checkpoint(model=model, bleu=tf.Variable(12.5, dtype=tf.float64))
+    return best.write(str(directory / run_dir.BEST_DIR / f"ckpt-{best_step}"))
+
+
+def test_best_means_a_current_average_else_the_best_checkpoint(tmp_path):
+    best = _run_with_best(tmp_path)
+    assert run_dir.checkpoint_path(tmp_path, "best") == best
+    averaged, _ = run_dir.average_checkpoints(tmp_path, 2)
+    assert run_dir.checkpoint_path(tmp_path, "best") == averaged
+    config = run_dir.read_config(tmp_path)
+    run_dir.write_config(tmp_path, {**config, "train": {"average_last": 0}})  # Run again with --average-last 0.
+    assert run_dir.checkpoint_path(tmp_path, "best") == best
+    run_dir.write_config(tmp_path, config)
+    tf.train.Checkpoint(model=run_dir.build_model(tmp_path)).write(str(tmp_path / run_dir.CHECKPOINT_DIR / "ckpt-30"))
+    assert run_dir.checkpoint_path(tmp_path, "best") == best  # Training went on past the average.
+
+
+@pytest.mark.parametrize("better", [run_dir.AVERAGED_DIR, run_dir.BEST_DIR])
+def test_the_final_evaluation_keeps_the_average_only_if_it_beats_the_best_checkpoint(tmp_path, monkeypatch, better):
+    from keras_transformer import evaluation
+
+    best = _run_with_best(tmp_path, best_step=10, steps=(10, 20))
+    pairs = [
+        ("a man in a red house", "ein Mann in einem roten Haus"),
+        ("a dog runs on the grass", "ein Hund rennt auf dem Gras"),
+        ("two men play in the street", "zwei Männer spielen auf der Straße"),
+    ]
+    references = [target for _, target in pairs]
+    # Translations stand in for the two checkpoints: the `better` one translates perfectly.
+    monkeypatch.setattr(run_dir, "load_model", lambda run, which: which)
+    monkeypatch.setattr(run_dir, "load_tokenizer", lambda run: None)
+    monkeypatch.setattr(
+        evaluation, "translate",
+        lambda model, tokenizer, sources, **kwargs: (
+            references if Path(model).parent.name == better else ["nichts"] * len(sources)
+        ),
+    )
+    corpus = type("Corpus", (), {"validation": pairs, "target_lang": "de"})()
+    settings = {"average_last": 2, "bleu_sentences": 3, "beam_size": 1, "alpha": 0.6, "max_length": 16}
+    _import_train_script().average_against_best(tmp_path, corpus, settings)
+    expected = run_dir.checkpoint_path(tmp_path, "averaged") if better == run_dir.AVERAGED_DIR else best
+    assert (tmp_path / run_dir.AVERAGED_DIR).exists() == (better == run_dir.AVERAGED_DIR)
+    assert run_dir.checkpoint_path(tmp_path, "best") == expected
+
+
+_FAKE_VALIDATION = """
+import sys, train
+from keras_transformer import evaluation
+BLEU = {2: 10.0, 4: 12.0, 6: 11.0, 8: 11.0}
+class Validator:
+    def __init__(self, *args, **kwargs):
+        pass
+    def __call__(self, model, step):
+        return {"loss": 1.0, "bleu": BLEU.get(step, 0.0)}
+evaluation.Validator = Validator
+sys.exit(train.main(FLAGS))
+"""
+
+
+@pytest.mark.slow
+def test_train_py_stops_on_patience_and_tests_the_best_checkpoint(tmp_path, small_corpus):
+    """Validation BLEU 10, 12, 11, 11 every 2 steps, --patience 2: stops at step 8, tests step 4's checkpoint."""
+    run = tmp_path / "run"
+    flags = ["--run-dir", str(run), "--preset", "tiny", *small_corpus, "--vocab-size", "1000", "--max-length", "64",
+             "--train-steps", "20", "--eval-every", "2", "--checkpoint-every", "2", "--keep-checkpoints", "2",
+             "--patience", "2", "--beam-size", "1", "--bleu-sentences", "4"]
+    log = _train(*flags, python=_FAKE_VALIDATION)
+    assert "Stopping at step 8 of 20: validation BLEU has not improved for 2 validations" in log, log[-3000:]
+    assert re.search(r"^Translating 4 test sentences with best/ckpt-4 ", log, re.MULTILINE), log[-3000:]
+    assert "--patience 2 stopped the run at step 8 of 20" in log.strip().splitlines()[-1]
+    assert [Path(p).name for p in run_dir.checkpoints(run / run_dir.CHECKPOINT_DIR)] == ["ckpt-6", "ckpt-8"]
+    assert run_dir.read_config(run)["train"]["patience"] == 2
+
+    again = _train(*flags, python=_FAKE_VALIDATION)
+    assert "Stopped at step 8 of 20: validation BLEU has not improved for 2 validations" in again, again[-3000:]
+    assert re.search(r"^Translating 4 test sentences with best/ckpt-4 ", again, re.MULTILINE), again[-3000:]
+    assert run_dir.best_checkpoint(run) == (str(run / run_dir.BEST_DIR / "ckpt-4"), 12.0)
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+@pytest.mark.slow
+def test_two_workers_stop_together_on_the_chiefs_patience(tmp_path, small_corpus):
+    """Only the chief validates; the other worker saves the best checkpoint and stops with it, at step 8."""
+    run = tmp_path / "run"
+    flags = ["--run-dir", str(run), "--preset", "tiny", *small_corpus, "--vocab-size", "1000", "--max-length", "64",
+             "--train-steps", "20", "--eval-every", "2", "--checkpoint-every", "2", "--patience", "2",
+             "--beam-size", "1", "--bleu-sentences", "4"]
+    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FAKE_VALIDATION.replace("FLAGS", repr(flags))], cwd=ROOT,
+            env={**os.environ, "TF_CONFIG": json.dumps(
+                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+            )},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        for index in range(2)
+    ]
+    try:
+        logs = [process.communicate(timeout=SUBPROCESS_TIMEOUT)[1] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for process, log in zip(processes, logs):
+        assert process.returncode == 0, log[-3000:]
+        assert "Stopping at step 8 of 20: validation BLEU has not improved for 2 validations" in log, log[-3000:]
+    assert "the best, 12.00, is step 4's" in logs[0]
+    assert run_dir.best_checkpoint(run) == (str(run / run_dir.BEST_DIR / "ckpt-4"), 12.0)

@@ -1,0 +1,142 @@
+"""translate.py reads its input as it arrives: answers a typed line at once, keeps order, never reads all."""
+
+import io
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+from keras_transformer.translator import Translator
+from repo_scripts import load_translate_cli  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TRANSLATE_PY = REPO / "translate.py"
+# Loading TensorFlow and the run on 2 busy cores, then one translation.
+ANSWER_TIMEOUT_SECONDS = 120
+
+
+@pytest.fixture(scope="module")
+def translator(tiny_translation_run):
+    return Translator.from_run_dir(tiny_translation_run)
+
+
+@pytest.fixture(scope="module")
+def sources(multi30k_dir):
+    from keras_transformer.corpora import load_multi30k
+
+    return [source for source, _ in load_multi30k(multi30k_dir).validation[:50]]
+
+
+def _translations(translator, sentences):
+    return [text.decode() for text in translator.translate(tf.constant(sentences, tf.string))["translation"].numpy()]
+
+
+def _lines_of(stream):
+    """A queue receiving `stream`'s lines (bytes) from a reader thread, then `None` at its end."""
+    lines = queue.Queue()
+
+    def read():
+        for line in iter(stream.readline, b""):
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _next_answer(lines, process, stderr_path):
+    try:
+        line = lines.get(timeout=ANSWER_TIMEOUT_SECONDS)
+    except queue.Empty:
+        pytest.fail(f"no translation within {ANSWER_TIMEOUT_SECONDS} s of writing a line; stderr:\n"
+                    f"{stderr_path.read_text()[-2000:]}")
+    assert line is not None, f"exited with {process.poll()}; stderr:\n{stderr_path.read_text()[-2000:]}"
+    return line.decode().rstrip("\n")
+
+
+@pytest.mark.slow
+def test_a_line_written_to_stdin_is_translated_before_stdin_closes(tiny_translation_run, translator, sources, tmp_path):
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "wb") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, str(TRANSLATE_PY), "--run-dir", str(tiny_translation_run)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            cwd=REPO,
+        )
+    try:
+        answers = _lines_of(process.stdout)
+        received = []
+        for sentence in sources[:2]:
+            process.stdin.write(sentence.encode() + b"\n")
+            process.stdin.flush()
+            received.append(_next_answer(answers, process, stderr_path))
+        process.stdin.close()
+        assert process.wait(timeout=ANSWER_TIMEOUT_SECONDS) == 0, stderr_path.read_text()[-2000:]
+        assert answers.get(timeout=10) is None  # Nothing printed after the answers.
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    # Each was translated alone, as the one line that had arrived.
+    assert received == [_translations(translator, [sentence])[0] for sentence in sources[:2]]
+
+
+def test_input_and_output_files_keep_the_lines_and_their_order(tiny_translation_run, translator, sources, tmp_path,
+                                                               capsys):
+    lines = [("" if index % 7 == 3 else sentence) for index, sentence in enumerate(sources)]
+    input_path, output_path = tmp_path / "input.en", tmp_path / "output.de"
+    input_path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+    exit_code = load_translate_cli().main(
+        ["--run-dir", str(tiny_translation_run), "--input", str(input_path), "--output", str(output_path)]
+    )
+
+    assert exit_code == 0 and capsys.readouterr().out == ""
+    written = output_path.read_text(encoding="utf-8").split("\n")
+    assert written.pop() == ""  # The last line ends with "\n" too.
+    assert written == _translations(translator, lines)
+    assert [index for index, line in enumerate(written) if not line] == [i for i in range(50) if i % 7 == 3]
+
+
+def test_a_batch_holds_the_lines_that_have_arrived():
+    """A pipe's lines are batched as they come: no waiting for --batch-size lines or for the end."""
+    cli = load_translate_cli()
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as reader, os.fdopen(write_end, "wb", buffering=0) as writer:
+        lines = cli.LineReader(reader)
+        batches = cli.arriving_batches(lines, 32)
+        writer.write(b"\xef\xbb\xbfA dog.\r\nTwo\rcats.\n")
+        assert next(batches) == [b"A dog.", b"Two\rcats."]
+        writer.write(b"\n")
+        assert next(batches) == [b""]
+        writer.write(b"A cat")
+        assert not lines.line_ready()  # Not a line before its "\n", or the end.
+        writer.write(b" sleeps.\nbad \xff")
+        assert next(batches) == [b"A cat sleeps."]
+        writer.close()
+        assert list(batches) == [[b"bad \xff"]]
+
+
+def test_batches_of_a_file_are_full():
+    cli = load_translate_cli()
+    stream = io.BytesIO(b"".join(b"line %d\n" % index for index in range(70)))
+    batches = list(cli.arriving_batches(cli.LineReader(stream), 32))
+    assert [len(batch) for batch in batches] == [32, 32, 6]
+    assert [line for batch in batches for line in batch] == [b"line %d" % index for index in range(70)]
+
+
+def test_a_large_input_is_read_a_chunk_at_a_time():
+    """The first batch is translated after one read, not after the whole input is in memory."""
+    cli = load_translate_cli()
+    stream = io.BytesIO(b"A dog runs on the grass.\n" * 400_000)  # 10 MB
+    first = next(cli.arriving_batches(cli.LineReader(stream), 32))
+    assert first == [b"A dog runs on the grass."] * 32
+    assert stream.tell() <= cli.READ_CHUNK_BYTES
