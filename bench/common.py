@@ -16,12 +16,15 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Each machine's results live in a folder of their own: RESULTS_DIR, bench/results/<machine>/,
+# is set below, after `machine_folder`; `--results-dir` chooses another.
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 if str(REPO_ROOT) not in sys.path:  # `python bench/x.py` from anywhere, without installing
@@ -87,14 +90,32 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def machine_folder(model: str | None = None, flags: set[str] | None = None) -> str:
+    """This machine's folder under bench/results/: CPU vendor and family, then `-amx` or `-avx512`.
+
+    E.g. `amd-epyc` (AVX2 only), `amd-epyc-avx512`, `intel-xeon-avx512`, `intel-xeon-amx`.
+    """
+    model = cpu_model() if model is None else model
+    flags = cpu_flags() if flags is None else flags
+    words = re.sub(r"\((R|TM)\)|@.*", " ", model, flags=re.IGNORECASE).lower().split()
+    name = "-".join(filter(None, (re.sub(r"[^a-z0-9]+", "", word) for word in words[:2]))) or "unknown"
+    if "amx_tile" in flags:
+        return f"{name}-amx"
+    return f"{name}-avx512" if "avx512f" in flags else name
+
+
+RESULTS_DIR = RESULTS_ROOT / machine_folder()
+
+
 def use_train_py_cpu_kernels() -> None:
-    """TensorFlow's CPU kernels as `train.py` chooses them (oneDNN on x86, see there).
+    """TensorFlow's CPU kernels as `train.py` chooses them (`keras_transformer.cpu_kernels`).
 
     Call before TensorFlow is imported, so that a training benchmark times the kernels
-    training uses; `TF_ENABLE_ONEDNN_OPTS` set in the environment wins. Importing
-    `train` (standard library only at import) applies its environment settings.
+    training uses; `TF_ENABLE_ONEDNN_OPTS` set in the environment wins.
     """
-    import train  # noqa: F401
+    from keras_transformer import cpu_kernels
+
+    cpu_kernels.configure()
 
 
 def onednn_enabled():
@@ -364,7 +385,7 @@ def peak_read_bandwidth(size_mib: int = 256, repeats: int = 5, min_repeat_s: flo
 
 
 def write_json(name: str, payload: dict, out_dir: Path | str | None = None) -> Path:
-    """Writes `payload` to `<out_dir or bench/results>/<name>.json` (atomically)."""
+    """Writes `payload` to `<out_dir or bench/results/<machine>>/<name>.json` (atomically)."""
     out = Path(out_dir) if out_dir else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
@@ -391,8 +412,8 @@ def add_results_dir_arg(parser, default=RESULTS_DIR) -> None:
         "--results-dir",
         type=Path,
         default=default,
-        help="directory of the JSON (default bench/results; another machine's results go in a "
-        "directory of their own, e.g. bench/results/amd-epyc, read by report.py --results)",
+        help=f"directory of the JSON (default: this machine's, bench/results/{RESULTS_DIR.name}; "
+        "each machine's results go in a directory of their own, read by report.py --results)",
     )
 
 

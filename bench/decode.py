@@ -8,7 +8,7 @@ Usage:
 1. Per-step time (beam 4, batch 1 by default, a 16-token source). To decode a fixed
    number of steps, the search gets an `eos_id` the model never emits (the vocabulary
    size: `keras_transformer.decoding.beam_search(eos_id=...)` is there for this), and
-   `max_length=L`: every hypothesis then runs to exactly L tokens. For each L in
+   `max_output_length=L`: every hypothesis then runs to exactly L tokens. For each L in
    `--lengths` (10, 40, 160) and each mode (cached graph, cached XLA, uncached graph) the
    whole search is timed: `--repeats` rounds, each timing every L once (a short search
    several times in a row, averaged, to give each L about `--min-seconds` in all), so a
@@ -36,7 +36,7 @@ Usage:
    (`graph_batch_N`) and compiled by XLA (`xla_batch_N`, every shape compiled before
    timing). This needs a run directory's tokenizer: with a random model it is skipped.
 
-Writes `bench/results/decode.json`.
+Writes `bench/results/<machine>/decode.json`.
 """
 
 from __future__ import annotations
@@ -130,9 +130,8 @@ def fixed_length_search(model, source_ids, length, mode, beam_size):
         return decoding.beam_search(
             model,
             source_ids,
-            beam_size=beam_size,
-            max_length=length,
-            max_extra_length=length,
+            decoding.DecodingSettings(beam_size=beam_size, max_extra_length=length),
+            max_output_length=length,
             eos_id=never,
             **options,
         )
@@ -272,7 +271,9 @@ def sentences_per_second(model, tokenizer, args):
     sentences = multi30k_test_sentences(args.data_dir)
     results = {}
     for jit_compile in (False, True):
-        translator = Translator(model, tokenizer, beam_size=args.beam_size, jit_compile=jit_compile)
+        translator = Translator(
+            model, tokenizer, decoding=decoding.DecodingSettings(beam_size=args.beam_size), jit_compile=jit_compile
+        )
         for batch_size, count in ((1, args.batch1_sentences), (32, args.batch32_sentences)):
             chosen = sentences[: count or len(sentences)]
             chosen = chosen[: len(chosen) // batch_size * batch_size]
@@ -309,7 +310,7 @@ def parse_args():
     parser.add_argument("--data-dir", default=None, help="Multi30k directory (default: MULTI30K_DIR / shared)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[10, 40, 160])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--beam-size", type=int, default=4)
+    parser.add_argument("--beam-size", type=int, default=decoding.DecodingSettings().beam_size)
     parser.add_argument("--batch", type=int, default=1, help="sentences per search in the per-step part")
     parser.add_argument("--source-length", type=int, default=16, help="source tokens (EOS included)")
     parser.add_argument("--max-uncached-length", type=int, default=160)

@@ -13,7 +13,7 @@ faster than training so it never starves it.
 Next to wall-clock time, the process CPU time of each epoch is recorded: on a shared
 machine, tokens per CPU-second is the steadier figure of the pipeline's cost.
 
-Writes `bench/results/input_pipeline.json`.
+Writes `bench/results/<machine>/input_pipeline.json`.
 """
 
 from __future__ import annotations

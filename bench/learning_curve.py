@@ -4,7 +4,7 @@ Usage:
     python bench/learning_curve.py --run-dir runs/multi30k-medium
 
 Reads `RUN/logs/{train,validation,test}` (the events `train.py` writes) and writes
-`bench/results/learning_curve-RUNNAME.json` and `.png`. Minutes are wall-clock minutes since
+`bench/results/<machine>/learning_curve-RUNNAME.json` and `.png`. Minutes are wall-clock minutes since
 the run's first training summary (written after its first `--log-every` steps, so the
 set-up and those steps are not counted); they include the time spent validating (and a
 resumed run's pause: the JSON keeps the raw wall times).

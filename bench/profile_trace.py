@@ -7,7 +7,7 @@ Usage:
 
 Each run writes a TensorBoard profile (`--logdir`, default `runs/profile/<name>`; open
 it with `tensorboard --logdir ...`, Profile tab, which needs the `xprof` package of the
-`bench` extra) and prints, and writes to `bench/results/profile-<name>.json`, a summary
+`bench` extra) and prints, and writes to `bench/results/<machine>/profile-<name>.json`, a summary
 of the trace:
 
 * `train`: the op time of `--steps` training steps (the `Trainer` step of

@@ -1,7 +1,7 @@
 """Turns the benchmark JSON files into a Markdown summary and PNG plots.
 
 Usage:
-    python bench/report.py                 # reads and writes bench/results/
+    python bench/report.py                 # reads and writes this machine's bench/results/<machine>/
     python bench/report.py --results DIR   # e.g. bench/results/amd-epyc, written with --results-dir
 
 Reads `train_throughput.json`, `decode.json`, `serving*.json` and `profile-*.json`
@@ -22,7 +22,9 @@ import argparse
 import json
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+import common  # bench/ is on sys.path when run as a script
+
+RESULTS_DIR = common.RESULTS_DIR  # this machine's folder, bench/results/<machine>/
 
 IMPL_LABELS = {
     "ours": "ours (keras_transformer)",

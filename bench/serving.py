@@ -26,7 +26,7 @@ sooner) is recorded as `"early_stopping"` ("exact" for exports made before the o
 
 Target: the `small` preset's SavedModel (beam 4) translates one sentence with p50 <= 40 ms.
 
-Writes `bench/results/serving.json` (`--output-name` for another name, e.g. `serving-xla`).
+Writes `bench/results/<machine>/serving.json` (`--output-name` for another name, e.g. `serving-xla`).
 """
 
 from __future__ import annotations

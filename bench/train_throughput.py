@@ -50,7 +50,7 @@ peak measured in the same run (the best square `tf.linalg.matmul` of sizes 1024 
 under `tf.function` with and without XLA, in float32 and in bfloat16; see
 `common.peak_matmul_flops`); mixed-precision runs are also given against the float32 peak.
 
-Writes `bench/results/train_throughput.json`.
+Writes `bench/results/<machine>/train_throughput.json`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from keras import ops  # noqa: E402
 from keras_transformer import distribution  # noqa: E402
 from keras_transformer.losses import label_smoothed_cross_entropy  # noqa: E402
 from keras_transformer.model import Transformer  # noqa: E402
-from keras_transformer.presets import get_preset  # noqa: E402
+from keras_transformer.recipes import get_preset  # noqa: E402
 from keras_transformer.schedule import make_optimizer  # noqa: E402
 
 DEFAULT_BATCH = {"tiny": 128, "small": 128, "medium": 128, "base": 128, "big": 64}
@@ -277,7 +277,8 @@ class Runner:
         self.losses = []
         self.error = None
         if step == "trainer":
-            from keras_transformer.trainer import DTYPE_POLICIES, Trainer, TrainingConfig
+            from keras_transformer.precision import DTYPE_POLICIES
+            from keras_transformer.trainer import Trainer, TrainingConfig
 
             mixed = {policy: name for name, policy in DTYPE_POLICIES.items()}[precision]
             import dataclasses

@@ -1,9 +1,8 @@
-"""Serving a trained run: `export.saved_model` writes the SavedModel TF Serving loads,
-`export.client` talks to the server.
+"""Serving files of the repository: `python -m export` (`kt-export`) and `python -m export.client`.
 
-    python -m export --run-dir RUN --out models/transformer       (export.__main__)
-    python -m export.client --rest http://localhost:8501 "A sentence."
-
-Nothing is imported here: the REST client needs only the standard library, not
-TensorFlow, Keras or tensorflow-text (which has no wheels for some platforms).
+The commands live in `keras_transformer.cli` and their library in the package
+(`keras_transformer.saved_model`, `keras_transformer.serving_client`); this directory
+keeps the `python -m` entry points and TF Serving's example configuration files
+(`models.config`, `batching.config`). It is not installed. Nothing is imported here:
+the REST client needs only the standard library.
 """

@@ -2,70 +2,82 @@
 
 Data flows one way: text -> `tokenizer` -> `data` (tf.data) -> `model` -> `decoding`
 -> text; `trainer` trains, `translator` wraps a trained model for export.
+
+The names below are loaded when first used: `import keras_transformer` does not import
+TensorFlow, so that a command can choose TensorFlow's CPU kernels first
+(`keras_transformer.cpu_kernels`). `from keras_transformer import Transformer` loads
+what it needs, as does every submodule import.
 """
 
-from keras_transformer.attention import MultiHeadAttention
-from keras_transformer.blocks import DecoderLayer, EncoderLayer, FeedForward, LayerNormalization
-from keras_transformer.corpora import (
-    CorpusError,
-    DatasetUnavailableError,
-    ParallelCorpus,
-    load_corpus,
-    load_multi30k,
-    load_text_corpus,
-)
-from keras_transformer.data import make_training_dataset, make_translation_dataset
-from keras_transformer.decoding import beam_search
-from keras_transformer.dropout import Dropout
-from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding, sinusoidal_encoding
-from keras_transformer.losses import LabelSmoothedCrossEntropy, label_smoothed_cross_entropy, token_accuracy
-from keras_transformer.masks import causal_mask, padding_mask
-from keras_transformer.model import Decoder, Encoder, Transformer
-from keras_transformer.presets import PRESETS, get_preset
-from keras_transformer.schedule import FusedAdam, TransformerSchedule, make_optimizer
-from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SubwordTokenizer, train_tokenizer
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
+# Public name -> the module that defines it.
+_EXPORTS = {
     # Layers and the model.
-    "MultiHeadAttention",
-    "Dropout",
-    "PositionalEncoding",
-    "SharedEmbedding",
-    "FeedForward",
-    "LayerNormalization",
-    "EncoderLayer",
-    "DecoderLayer",
-    "Encoder",
-    "Decoder",
-    "Transformer",
-    "PRESETS",
-    "get_preset",
-    "causal_mask",
-    "padding_mask",
-    "sinusoidal_encoding",
+    "MultiHeadAttention": "attention",
+    "Dropout": "dropout",
+    "PositionalEncoding": "embeddings",
+    "SharedEmbedding": "embeddings",
+    "sinusoidal_encoding": "embeddings",
+    "FeedForward": "blocks",
+    "LayerNormalization": "blocks",
+    "EncoderLayer": "blocks",
+    "DecoderLayer": "blocks",
+    "Encoder": "model",
+    "Decoder": "model",
+    "Transformer": "model",
+    "causal_mask": "masks",
+    "padding_mask": "masks",
+    # Recipes.
+    "Recipe": "recipes",
+    "RECIPES": "recipes",
+    "PRESETS": "recipes",
+    "get_recipe": "recipes",
+    "get_preset": "recipes",
     # Text and data.
-    "SubwordTokenizer",
-    "train_tokenizer",
-    "PAD_ID",
-    "UNK_ID",
-    "BOS_ID",
-    "EOS_ID",
-    "ParallelCorpus",
-    "load_corpus",
-    "load_multi30k",
-    "load_text_corpus",
-    "DatasetUnavailableError",
-    "CorpusError",
-    "make_training_dataset",
-    "make_translation_dataset",
+    "SubwordTokenizer": "tokenizer",
+    "train_tokenizer": "tokenizer",
+    "PAD_ID": "tokenizer",
+    "UNK_ID": "tokenizer",
+    "BOS_ID": "tokenizer",
+    "EOS_ID": "tokenizer",
+    "CORPORA": "corpora",
+    "ParallelCorpus": "corpora",
+    "load_corpus": "corpora",
+    "load_multi30k": "corpora",
+    "load_text_corpus": "corpora",
+    "DatasetUnavailableError": "corpora",
+    "CorpusError": "corpora",
+    "make_training_dataset": "data",
+    "make_translation_dataset": "data",
     # Training and decoding.
-    "TransformerSchedule",
-    "FusedAdam",
-    "make_optimizer",
-    "LabelSmoothedCrossEntropy",
-    "label_smoothed_cross_entropy",
-    "token_accuracy",
-    "beam_search",
-]
+    "TransformerSchedule": "schedule",
+    "FusedAdam": "schedule",
+    "make_optimizer": "schedule",
+    "LabelSmoothedCrossEntropy": "losses",
+    "label_smoothed_cross_entropy": "losses",
+    "token_accuracy": "losses",
+    "DecodingSettings": "decoding_settings",
+    "beam_search": "decoding",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value  # Loaded once.
+        return value
+    try:
+        return importlib.import_module(f"{__name__}.{name}")  # keras_transformer.decoding and the like.
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])

@@ -125,8 +125,8 @@ class MultiHeadAttention(keras.layers.Layer):
         return_attention_scores: Whether to also return the attention weights,
             `[batch, num_heads, target_length, source_length]`, in float32.
         training: Whether dropout is active.
-        cache: Optional dict with `"key"` `[batch, num_heads, max_length, key_dim]`
-            and `"value"` `[batch, num_heads, max_length, value_dim]` (see
+        cache: Optional dict with `"key"` `[batch, num_heads, max_decode_length, key_dim]`
+            and `"value"` `[batch, num_heads, max_decode_length, value_dim]` (see
             `empty_cache` and `project_key_value`). With
             `cache_index`, the keys and values of `value`/`key` are written into
             the cache at `cache_index` and attention runs over the cache's positions
@@ -269,9 +269,9 @@ class MultiHeadAttention(keras.layers.Layer):
 
         Not `einsum("btd,dnh->btnh")`: TensorFlow runs that as a batched matmul that
         broadcasts the kernel over the batch, and its kernel gradient is then a batch
-        of per-sentence products summed afterwards (`BatchMatMulV2` + `Sum` took 42% of
-        the op time of a `small` training step in the profile). Flattening batch and
-        length gives a single matmul forward and backward.
+        of per-sentence products summed afterwards, the largest item of a training step's
+        profile (see docs/performance.md). Flattening batch and length gives a single
+        matmul forward and backward.
         """
         return MultiHeadAttention._project_many(x, [kernel], [bias])[0]
 
@@ -305,27 +305,27 @@ class MultiHeadAttention(keras.layers.Layer):
             projected.append(ops.transpose(heads_last, (0, 2, 1, 3)))
         return projected
 
-    def empty_cache(self, batch_size, max_length, dtype=None):
-        """A zeroed self-attention cache for outputs of up to `max_length` tokens.
+    def empty_cache(self, batch_size, max_decode_length, dtype=None):
+        """A zeroed self-attention cache for outputs of up to `max_decode_length` tokens.
 
         Args:
             batch_size: Rows (int or scalar tensor).
-            max_length: Positions in the buffer.
+            max_decode_length: Positions in the buffer.
             dtype: Defaults to the layer's compute dtype.
 
         Returns:
-            Dict with `"key"` `[batch_size, num_heads, max_length, key_dim]` and `"value"`
-            `[batch_size, num_heads, max_length, value_dim]`.
+            Dict with `"key"` `[batch_size, num_heads, max_decode_length, key_dim]` and `"value"`
+            `[batch_size, num_heads, max_decode_length, value_dim]`.
         """
         dtype = dtype or self.compute_dtype
         return {
-            "key": ops.zeros((batch_size, self.num_heads, max_length, self._key_dim), dtype=dtype),
-            "value": ops.zeros((batch_size, self.num_heads, max_length, self._value_dim), dtype=dtype),
+            "key": ops.zeros((batch_size, self.num_heads, max_decode_length, self._key_dim), dtype=dtype),
+            "value": ops.zeros((batch_size, self.num_heads, max_decode_length, self._value_dim), dtype=dtype),
         }
 
     @staticmethod
-    def extend_cache(cache, max_length):
-        """A self-attention cache grown to `max_length` positions, the new ones zeroed.
+    def extend_cache(cache, max_decode_length):
+        """A self-attention cache grown to `max_decode_length` positions, the new ones zeroed.
 
         Decoding can start with a short buffer and grow it as the output grows, so
         that each step attends over (and a beam search reorders) a buffer of about
@@ -334,14 +334,14 @@ class MultiHeadAttention(keras.layers.Layer):
         Args:
             cache: Dict with `"key"` and `"value"` `[batch, num_heads, length, dim]`
                 (from `empty_cache`, filled in by decoding).
-            max_length: New buffer length (int or scalar tensor), `>= length`.
+            max_decode_length: New buffer length (int or scalar tensor), `>= length`.
 
         Returns:
-            The cache with `max_length` positions, its first `length` unchanged.
+            The cache with `max_decode_length` positions, its first `length` unchanged.
         """
 
         def extend(buffer):
-            grow_by = max_length - ops.shape(buffer)[2]
+            grow_by = max_decode_length - ops.shape(buffer)[2]
             return ops.pad(buffer, [[0, 0], [0, 0], [0, grow_by], [0, 0]])
 
         return {"key": extend(cache["key"]), "value": extend(cache["value"])}
@@ -471,8 +471,8 @@ class MultiHeadAttention(keras.layers.Layer):
             if len(mask.shape) == 3:
                 mask = ops.expand_dims(mask, axis=1)  # broadcast over heads
             # A select, not `logits + (1 - mask) * -1e9`: oneDNN's graph rewrite fuses
-            # such an add into the Q K^T matmul, and that fused kernel was 20x slower
-            # with a broadcast mask of a growing length (the uncached decoder's profile).
+            # such an add into the Q K^T matmul, and that fused kernel is far slower with
+            # a broadcast mask of a growing length, as in the uncached decoder (see docs/performance.md).
             logits = ops.where(mask, logits, MASKED_LOGIT)
         # Over a single key the softmax is 1 (keras.ops.softmax warns about that axis).
         scores = ops.ones_like(logits) if logits.shape[-1] == 1 else ops.softmax(logits, axis=-1)

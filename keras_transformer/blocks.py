@@ -36,11 +36,10 @@ def rowwise(layer, x):
     For layers that treat each position alone (LayerNorm, the feed-forward network)
     the result is the same. What changes is the gradient of their per-feature weights
     (gains, biases): a column sum of a matrix instead of a sum over the first two axes
-    of a 3-D tensor, which XLA on CPUs splits into slow windowed partial sums. In the
-    profile of a `small` training step with `--jit-compile` (`bench/profile_trace.py
-    train --jit on`, `wrapped_reduce-window`), 30 such sums took 30.6 ms of op time;
-    with LayerNorm applied row-wise its sums took 2.9 ms. (The sub-layers' output biases
-    are handled by `_ResidualBlock._residual`.)
+    of a 3-D tensor, which XLA on CPUs splits into slow windowed partial sums
+    (`wrapped_reduce-window` in `bench/profile_trace.py train --jit on`; see
+    docs/performance.md). (The sub-layers' output biases are handled by
+    `_ResidualBlock._residual`.)
     """
     shape = ops.shape(x)
     return ops.reshape(layer(ops.reshape(x, (-1, shape[-1]))), shape)
@@ -58,11 +57,10 @@ class LayerNormalization(keras.layers.LayerNormalization):
         d_gamma = sum(dy * x_hat),  d_beta = sum(dy)  (over all but the last axis).
 
     Autodiff through the moments takes about twice as many element-wise passes over the
-    activations, and in graph mode each pass is a kernel of its own: in alternating
-    runs of the `small` float32 graph-mode benchmark the step went from 757 / 727 / 762
-    to 683 / 711 / 729 ms. Under XLA, which fuses either form, it changed nothing
-    measurable (682 against 678 ms). Other configurations (other axes, RMS scaling, no
-    centre or no scale) use Keras's computation.
+    activations, and in graph mode each pass is a kernel of its own, so the closed form
+    makes a graph-mode step faster; under XLA, which fuses either form, it makes no
+    difference (see docs/performance.md). Other configurations (other axes, RMS scaling,
+    no centre or no scale) use Keras's computation.
 
     Args:
         Those of `keras.layers.LayerNormalization` (`epsilon`, `axis`, initialisers, ...).
@@ -204,9 +202,9 @@ class _ResidualBlock(keras.layers.Layer):
         Only `sublayer` sees `[batch, length, d_model]`; the sum, dropout and norm work
         on the `[tokens, d_model]` view (as in `rowwise`), and so does the gradient of
         the sub-layer's output bias: a column sum of the dropout's gradient. With the
-        dropout on the 3-D tensor, XLA on CPUs folded the reshapes into that sum and
-        made it a windowed sum over two axes, 7x slower: the 30 of a `base` step took
-        69 ms of op time, against 10 ms for as many column sums.
+        dropout on the 3-D tensor, XLA on CPUs folds the reshapes into that sum and
+        makes it a windowed sum over two axes, several times slower than a column sum
+        (see docs/performance.md).
         """
         shape = ops.shape(x)
         x_rows = ops.reshape(x, (-1, self.d_model))
@@ -369,14 +367,14 @@ class DecoderLayer(_ResidualBlock):
             norm.build(inputs_shape)
         self.built = True
 
-    def init_cache(self, encoder_outputs, max_length):
-        """An empty self-attention cache of `max_length` positions and the projected encoder memory.
+    def init_cache(self, encoder_outputs, max_decode_length):
+        """An empty self-attention cache of `max_decode_length` positions and the projected encoder memory.
 
         Args:
             encoder_outputs: `[batch, source_length, d_model]`. Their Keras mask, if
                 any, is kept with the memory as `"mask"`: cached steps hide the
                 source padding it marks, as the uncached call does.
-            max_length: Positions of the self-attention buffer.
+            max_decode_length: Positions of the self-attention buffer.
 
         Returns:
             `{"self": {"key", "value"}, "cross": {"key", "value"}}`, plus
@@ -389,7 +387,7 @@ class DecoderLayer(_ResidualBlock):
         source_mask = get_keras_mask(encoder_outputs)
         if source_mask is not None:
             memory["mask"] = ops.cast(source_mask, "bool")
-        return {"self": self.self_attention.empty_cache(batch_size, max_length), "cross": memory}
+        return {"self": self.self_attention.empty_cache(batch_size, max_decode_length), "cross": memory}
 
     def call(
         self,

@@ -16,8 +16,13 @@ Sources:
   finally a download of the gzipped files from the dataset's GitHub repository into
   that cache.
 * WMT14 EN-DE (the paper's data) and TED pt->en through TensorFlow Datasets:
-  `load_wmt14`, `load_ted_pt_en`.
-* Any line-aligned pair of text files: `read_parallel_files`, `load_text_corpus`.
+  `keras_transformer.tfds_corpora`.
+* Any line-aligned pair of text files: `read_parallel_files`, `load_text_corpus`, and
+  `load_text_files` for a directory of `{train,val,test}.LANG` files.
+
+`CORPORA` is the registry: one `CorpusEntry` per corpus (its loader, languages, the
+vocabulary size and length cap it is trained with, a line of help), from which
+`load_corpus` and `train.py --dataset` take everything. A new corpus is one entry there.
 
 Text files are read as bytes and decoded line by line, so one bad line costs one pair,
 never the alignment: a pair whose source or target line is empty or not valid UTF-8 is
@@ -36,10 +41,8 @@ import gzip
 import logging
 import os
 import shutil
-import urllib.error
-import urllib.parse
-import urllib.request
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -54,13 +57,6 @@ MULTI30K_ENV = "MULTI30K_DIR"
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
 MULTI30K_SPLITS = {"train": "train", "validation": "val", "test": "test_2016_flickr"}
 MULTI30K_LANGUAGES = ("en", "de")
-
-WMT14_TFDS_NAME = "wmt14_translate/de-en"
-TED_PT_EN_TFDS_NAME = "ted_hrlr_translate/pt_to_en"
-
-CORPUS_NAMES = ("multi30k", "wmt14", "ted_pt_en")
-# The two languages of each corpus, its usual source first.
-CORPUS_LANGUAGES = {"multi30k": MULTI30K_LANGUAGES, "wmt14": ("en", "de"), "ted_pt_en": ("pt", "en")}
 
 _MULTI30K_HELP = (
     f"Download train, val and test_2016_flickr .en.gz and .de.gz from {MULTI30K_URL}/, "
@@ -117,64 +113,6 @@ class ParallelCorpus:
                 yield target
 
 
-def load_corpus(
-    name: str,
-    data_dir: str | os.PathLike | None = None,
-    *,
-    source_lang: str | None = None,
-    target_lang: str | None = None,
-    download: bool = True,
-    seed: int | None = None,
-) -> ParallelCorpus:
-    """Loads one of `CORPUS_NAMES` in the given direction (default: its usual one).
-
-    Args:
-        name: "multi30k" (en->de), "wmt14" (en->de) or "ted_pt_en" (pt->en).
-        data_dir: Multi30k text directory, or TFDS data directory for the others.
-        source_lang: Source language; defaults to the corpus's usual source.
-        target_lang: Target language; defaults to the corpus's usual target.
-        download: Whether TFDS corpora may be downloaded and prepared. Multi30k, being
-            small, is downloaded whenever neither `data_dir` nor `$MULTI30K_DIR` is given
-            and no copy is cached; a given directory that lacks files is an error.
-        seed: For TFDS corpora, the seed of the order in which the training files are
-            read (see `load_wmt14`); `None` lets TFDS choose, and read, in any order.
-
-    Returns:
-        The corpus.
-
-    Raises:
-        ValueError: For an unknown name or language.
-        DatasetUnavailableError: When the corpus cannot be found or downloaded.
-        MissingPackageError: When a package that TFDS needs for the corpus is not installed.
-    """
-    loaders = {
-        "multi30k": (load_multi30k, {}),
-        "wmt14": (load_wmt14, {"download": download, "seed": seed}),
-        "ted_pt_en": (load_ted_pt_en, {"download": download, "seed": seed}),
-    }
-    source_lang, target_lang = check_direction(name, source_lang, target_lang)
-    loader, options = loaders[name]
-    return loader(data_dir, source_lang=source_lang, target_lang=target_lang, **options)
-
-
-def check_direction(
-    name: str, source_lang: str | None = None, target_lang: str | None = None
-) -> tuple[str, str]:
-    """The direction `(source, target)` of corpus `name`, unset languages taken from its usual one.
-
-    Cheap (reads nothing), so that callers can check their settings before loading.
-
-    Raises:
-        ValueError: For an unknown corpus, or languages the corpus does not have.
-    """
-    if name not in CORPUS_LANGUAGES:
-        raise ValueError(f"Unknown corpus {name!r}; choose one of {CORPUS_NAMES}.")
-    default_source, default_target = CORPUS_LANGUAGES[name]
-    direction = (source_lang or default_source, target_lang or default_target)
-    _check_direction(name, CORPUS_LANGUAGES[name], *direction)
-    return direction
-
-
 def load_multi30k(
     data_dir: str | os.PathLike | None = None,
     *,
@@ -197,7 +135,7 @@ def load_multi30k(
     Raises:
         DatasetUnavailableError: When the files are missing and cannot be downloaded.
     """
-    _check_direction("Multi30k", MULTI30K_LANGUAGES, source_lang, target_lang)
+    check_languages("Multi30k", MULTI30K_LANGUAGES, source_lang, target_lang)
     directory = find_multi30k_dir(data_dir, cache_dir=cache_dir)
     splits = {
         split: read_parallel_files(
@@ -294,162 +232,6 @@ def _gunzip(archive: Path, destination: Path) -> None:
     archive.unlink()
 
 
-def load_wmt14(
-    data_dir: str | os.PathLike | None = None,
-    *,
-    source_lang: str = "en",
-    target_lang: str = "de",
-    download: bool = True,
-    seed: int | None = None,
-) -> ParallelCorpus:
-    """Loads TFDS `wmt14_translate/de-en` (newstest2013 validation, newstest2014 test).
-
-    Args:
-        data_dir: TFDS data directory (default: TFDS's, `$TFDS_DATA_DIR` or
-            `~/tensorflow_datasets`).
-        source_lang: "en" or "de".
-        target_lang: The other one.
-        download: Whether TFDS may download and prepare the data (several GB).
-        seed: Seed of the (per-epoch) order of the training files. With a seed the
-            training pairs come in the same order in every process, as resuming and
-            multi-worker sharding need; without one TFDS reads the files in any order.
-
-    Returns:
-        The corpus; `train` is a `tf.data.Dataset` of string pairs.
-
-    Raises:
-        DatasetUnavailableError: When the data is not prepared and cannot be downloaded.
-    """
-    return _load_tfds(
-        WMT14_TFDS_NAME, CORPUS_LANGUAGES["wmt14"], data_dir, source_lang, target_lang, download, seed
-    )
-
-
-def load_ted_pt_en(
-    data_dir: str | os.PathLike | None = None,
-    *,
-    source_lang: str = "pt",
-    target_lang: str = "en",
-    download: bool = True,
-    seed: int | None = None,
-) -> ParallelCorpus:
-    """Loads TFDS `ted_hrlr_translate/pt_to_en` (about 51k training pairs).
-
-    Args:
-        data_dir: TFDS data directory.
-        source_lang: "pt" or "en".
-        target_lang: The other one.
-        download: Whether TFDS may download and prepare the data.
-        seed: As for `load_wmt14`.
-
-    Returns:
-        The corpus; `train` is a `tf.data.Dataset` of string pairs.
-
-    Raises:
-        DatasetUnavailableError: When the data is not prepared and cannot be downloaded.
-    """
-    return _load_tfds(
-        TED_PT_EN_TFDS_NAME, CORPUS_LANGUAGES["ted_pt_en"], data_dir, source_lang, target_lang, download, seed
-    )
-
-
-def _load_tfds(
-    tfds_name: str,
-    languages: tuple[str, str],
-    data_dir: str | os.PathLike | None,
-    source_lang: str,
-    target_lang: str,
-    download: bool,
-    seed: int | None,
-) -> ParallelCorpus:
-    """Loads a TFDS translation dataset whose examples are `{language: sentence}` dicts."""
-    _check_direction(tfds_name, languages, source_lang, target_lang)
-    try:
-        import tensorflow_datasets as tfds  # Imported here: it takes seconds to import.
-    except ImportError as error:
-        raise _missing_package(tfds_name, error) from error
-
-    data_dir = None if data_dir is None else os.fspath(data_dir)
-    where = data_dir or "the default TFDS data directory"
-    try:
-        builder = tfds.builder(tfds_name, data_dir=data_dir)
-        if download and not builder.is_prepared():
-            _check_download_hosts(tfds_name, builder.url_infos)
-            # Minutes to hours: say what is going on before TFDS goes quiet.
-            logger.info(
-                "TFDS dataset %s is not prepared in %s; downloading and preparing it (needs internet access; "
-                "WMT14 takes several GB and hours).", tfds_name, where,
-            )
-            builder.download_and_prepare()
-        # Without a seed, TFDS also interleaves the shuffled files non-deterministically.
-        train = builder.as_dataset(split="train", shuffle_files=True, read_config=tfds.ReadConfig(shuffle_seed=seed))
-        validation, test = builder.as_dataset(split=["validation", "test"], shuffle_files=False)
-    except ImportError as error:
-        # Some builders import optional packages only when used: not a missing dataset.
-        raise _missing_package(tfds_name, error) from error
-    except DatasetUnavailableError:
-        raise
-    except Exception as error:  # TFDS raises many types: not found, network, I/O.
-        raise DatasetUnavailableError(
-            f"TFDS dataset {tfds_name} is not available in {where} ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}). " + _tfds_help(tfds_name)
-        ) from None
-
-    def to_pair(example):
-        return example[source_lang], example[target_lang]
-
-    return ParallelCorpus(
-        name=tfds_name,
-        source_lang=source_lang,
-        target_lang=target_lang,
-        train=train.map(to_pair, num_parallel_calls=tf.data.AUTOTUNE),
-        validation=_decode_pairs(validation.map(to_pair)),
-        test=_decode_pairs(test.map(to_pair)),
-    )
-
-
-def _tfds_help(tfds_name: str) -> str:
-    return (
-        f"Prepare it with `tfds build {tfds_name} --data_dir DIR` on a machine with internet access and "
-        "pass DIR with --data-dir (or set TFDS_DATA_DIR)."
-    )
-
-
-def _check_download_hosts(tfds_name: str, url_infos: dict | None, timeout: float = 15.0) -> None:
-    """Fails at once if a host the dataset downloads from cannot be reached.
-
-    Offline, TFDS retries each download ten times with growing back-off (about 3.5
-    minutes) before it fails, and leaves partial downloads behind. One request per host,
-    without retries, tells the same in about a second. Any HTTP answer, an error status
-    included, counts as reachable: only a failed connection (no DNS, refused, timed out)
-    stops the download. Proxies in the environment are used, as TFDS uses them.
-    """
-    urls_by_host = {}
-    for url in url_infos or {}:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme in ("http", "https"):
-            urls_by_host.setdefault(parts.netloc, url)
-    for host, url in sorted(urls_by_host.items()):
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout):
-                pass
-        except urllib.error.HTTPError:
-            pass  # The server answered.
-        except (urllib.error.URLError, OSError) as error:
-            reason = getattr(error, "reason", error)
-            raise DatasetUnavailableError(
-                f"TFDS dataset {tfds_name} is not prepared and downloading it needs {host}, which cannot be "
-                f"reached ({reason}). " + _tfds_help(tfds_name)
-            ) from None
-
-
-def _decode_pairs(dataset: tf.data.Dataset) -> list[Pair]:
-    return [
-        (source.decode("utf-8"), target.decode("utf-8"))
-        for source, target in dataset.as_numpy_iterator()
-    ]
-
-
 def load_text_corpus(
     train: tuple[str | os.PathLike, str | os.PathLike],
     validation: tuple[str | os.PathLike, str | os.PathLike] | None = None,
@@ -541,28 +323,177 @@ def _read_lines(path: str | os.PathLike) -> list[bytes]:
     return [line[:-1] if line.endswith(b"\r") else line for line in lines]
 
 
-def _missing_package(tfds_name: str, error: ImportError) -> MissingPackageError:
-    """The error for a package that TFDS needs to load `tfds_name` (`error.name` is the module)."""
-    module = (error.name or "").split(".")[0]
-    if not module:  # "cannot import name ..." from an installed but incompatible package.
-        return MissingPackageError(
-            f"Loading TFDS dataset {tfds_name} failed on an import ({error}); install or upgrade "
-            "the package it names (pip install -U PACKAGE)."
-        )
-    # Pip normalizes "_" and "-", so the module name installs the package in the usual case.
-    package = "tensorflow-datasets" if module == "tensorflow_datasets" else module
-    return MissingPackageError(
-        f"Loading TFDS dataset {tfds_name} needs the Python package {package!r}, which is not "
-        f"installed ({error}); install it with `pip install {package}` and try again.",
-        name=error.name,
-    )
-
-
-def _check_direction(
+def check_languages(
     corpus: str, languages: tuple[str, str], source_lang: str, target_lang: str
 ) -> None:
+    """Raises a ValueError unless `source_lang` and `target_lang` are the two `languages` of `corpus`."""
     if {source_lang, target_lang} != set(languages):
         raise ValueError(
             f"{corpus} translates between {languages[0]!r} and {languages[1]!r}; got "
             f"source_lang={source_lang!r}, target_lang={target_lang!r}."
         )
+
+
+def load_text_files(
+    data_dir: str | os.PathLike,
+    *,
+    source_lang: str,
+    target_lang: str,
+) -> ParallelCorpus:
+    """Loads the `files` corpus: `DIR/{train,val,test}.{source_lang,target_lang}` text files.
+
+    The validation and test splits are optional (a split with neither file is empty).
+
+    Raises:
+        DatasetUnavailableError: When the training files are missing, or a split has one
+            of its two files only (likely a misnamed file, not a split to skip quietly).
+        CorpusError: When two files of a split have different line counts.
+    """
+    directory = Path(data_dir)
+
+    def split(stem):
+        paths = (directory / f"{stem}.{source_lang}", directory / f"{stem}.{target_lang}")
+        present = [path.is_file() for path in paths]
+        if any(present) and not all(present):
+            found, missing = paths if present[0] else paths[::-1]
+            raise DatasetUnavailableError(f"{directory} has {found.name} but not {missing.name}.")
+        return paths if all(present) else None
+
+    if split("train") is None:
+        raise DatasetUnavailableError(f"{directory} lacks train.{source_lang} and train.{target_lang}.")
+    return load_text_corpus(
+        split("train"), split("val"), split("test"), source_lang=source_lang, target_lang=target_lang, name="files"
+    )
+
+
+def _load_tfds_corpus(loader_name):
+    """A registry loader calling `tfds_corpora.<loader_name>`, imported when used (TFDS is slow to import)."""
+
+    def load(data_dir, *, source_lang, target_lang, download, seed):
+        from keras_transformer import tfds_corpora
+
+        loader = getattr(tfds_corpora, loader_name)
+        return loader(data_dir, source_lang=source_lang, target_lang=target_lang, download=download, seed=seed)
+
+    return load
+
+
+def _load_multi30k(data_dir, *, source_lang, target_lang, download, seed):
+    del download, seed  # Multi30k is small: downloaded whenever no copy is found; read in file order.
+    return load_multi30k(data_dir, source_lang=source_lang, target_lang=target_lang)
+
+
+def _load_files(data_dir, *, source_lang, target_lang, download, seed):
+    del download, seed
+    return load_text_files(data_dir, source_lang=source_lang, target_lang=target_lang)
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusEntry:
+    """A corpus of the registry.
+
+    Attributes:
+        name: Its name (`train.py --dataset`).
+        summary: One line for `train.py --help`.
+        languages: Its two languages, the usual source first; None for the `files`
+            corpus, whose languages are its files' suffixes, given by the caller.
+        vocab_size: Size of the shared vocabulary learned on it.
+        max_length: Longest training sequence in tokens (the training length cap).
+        load: `(data_dir, *, source_lang, target_lang, download, seed) -> ParallelCorpus`.
+        needs_data_dir: Whether `data_dir` must be given (it has no default place).
+    """
+
+    name: str
+    summary: str
+    languages: tuple[str, str] | None
+    vocab_size: int
+    max_length: int
+    load: Callable[..., ParallelCorpus]
+    needs_data_dir: bool = False
+
+
+CORPORA = {
+    entry.name: entry
+    for entry in (
+        CorpusEntry("multi30k", "EN-DE image captions", MULTI30K_LANGUAGES, 8000, 128, _load_multi30k),
+        # The paper's data, with its ~37000 shared tokens.
+        CorpusEntry("wmt14", "EN-DE, TFDS, the paper's", ("en", "de"), 37000, 256, _load_tfds_corpus("load_wmt14")),
+        CorpusEntry("ted_pt_en", "TFDS", ("pt", "en"), 8000, 256, _load_tfds_corpus("load_ted_pt_en")),
+        CorpusEntry(
+            "files", "DIR/{train,val,test}.LANG text files in --data-dir", None, 8000, 256, _load_files,
+            needs_data_dir=True,
+        ),
+    )
+}
+
+
+# The corpus of a run that names none.
+DEFAULT_CORPUS = "multi30k"
+
+
+def get_corpus_entry(name: str) -> CorpusEntry:
+    """The `CORPORA` entry `name`; a ValueError naming the known ones otherwise."""
+    try:
+        return CORPORA[name]
+    except KeyError:
+        raise ValueError(f"Unknown corpus {name!r}; choose one of {tuple(CORPORA)}.") from None
+
+
+def check_direction(
+    name: str, source_lang: str | None = None, target_lang: str | None = None
+) -> tuple[str, str]:
+    """The direction `(source, target)` of corpus `name`, unset languages taken from its usual one.
+
+    Cheap (reads nothing), so that callers can check their settings before loading.
+
+    Raises:
+        ValueError: For an unknown corpus, languages the corpus does not have, or (for
+            the `files` corpus) a language not given.
+    """
+    entry = get_corpus_entry(name)
+    if entry.languages is None:
+        if not (source_lang and target_lang):
+            raise ValueError(f"The {name} corpus needs source_lang and target_lang (the file suffixes).")
+        return source_lang, target_lang
+    default_source, default_target = entry.languages
+    direction = (source_lang or default_source, target_lang or default_target)
+    check_languages(name, entry.languages, *direction)
+    return direction
+
+
+def load_corpus(
+    name: str,
+    data_dir: str | os.PathLike | None = None,
+    *,
+    source_lang: str | None = None,
+    target_lang: str | None = None,
+    download: bool = True,
+    seed: int | None = None,
+) -> ParallelCorpus:
+    """Loads corpus `name` of `CORPORA` in the given direction (default: its usual one).
+
+    Args:
+        name: "multi30k" (en->de), "wmt14" (en->de), "ted_pt_en" (pt->en) or "files".
+        data_dir: Multi30k text directory, TFDS data directory for the TFDS corpora, the
+            text-file directory for "files" (required there).
+        source_lang: Source language; defaults to the corpus's usual source.
+        target_lang: Target language; defaults to the corpus's usual target.
+        download: Whether TFDS corpora may be downloaded and prepared. Multi30k, being
+            small, is downloaded whenever neither `data_dir` nor `$MULTI30K_DIR` is given
+            and no copy is cached; a given directory that lacks files is an error.
+        seed: For TFDS corpora, the seed of the order in which the training files are
+            read (see `tfds_corpora.load_wmt14`); `None` lets TFDS choose, and read, in any order.
+
+    Returns:
+        The corpus.
+
+    Raises:
+        ValueError: For an unknown name or language, or "files" without `data_dir`.
+        DatasetUnavailableError: When the corpus cannot be found or downloaded.
+        MissingPackageError: When a package that TFDS needs for the corpus is not installed.
+    """
+    entry = get_corpus_entry(name)
+    source_lang, target_lang = check_direction(name, source_lang, target_lang)
+    if entry.needs_data_dir and not data_dir:
+        raise ValueError(f"The {name} corpus needs data_dir, the directory of its files.")
+    return entry.load(data_dir, source_lang=source_lang, target_lang=target_lang, download=download, seed=seed)

@@ -9,12 +9,12 @@ budget is a hard bound with padding counted: every batch satisfies
 `batch_size * padded_target_length <= token_budget`.
 
 How: pairs are put in length buckets by their longer side (bucket edges grow by 10% from
-length 8, so padding stays small, about 7% on Multi30k); a bucket whose longest length is
+length 8, so padding stays small); a bucket whose longest length is
 L is cut into batches of `token_budget // L` pairs, each padded to its own longest pair.
 This is what `Dataset.bucket_by_sequence_length` does, but that op calls a function per
 pair; here the shuffled pairs are taken in pools of `pool_size` and each pool is bucketed
-and cut with a few vectorized ops. Measured on Multi30k (29000 pairs, 2-core CPU): 0.5 s
-of CPU per epoch instead of 1.3 s. Each pool ends with at most one partial batch per
+and cut with a few vectorized ops, which takes well under half the CPU time per epoch
+(see docs/performance.md). Each pool ends with at most one partial batch per
 bucket (as `bucket_by_sequence_length` does once per epoch); a pool's batches are put in
 random order, and then shuffled across pools, so lengths are mixed across steps.
 
@@ -139,30 +139,30 @@ def make_translation_dataset(
     tokenizer: SubwordTokenizer,
     *,
     batch_size: int = DEFAULT_EVAL_BATCH_SIZE,
-    max_length: int = DEFAULT_MAX_LENGTH,
+    max_source_length: int = DEFAULT_MAX_LENGTH,
 ) -> tf.data.Dataset:
     """Builds batches of source ids to translate, in the order of `sources`.
 
     Nothing is dropped or reordered, so the i-th translation matches the i-th reference;
-    sources longer than `max_length` tokens (EOS included) are truncated.
+    sources longer than `max_source_length` tokens (EOS included) are truncated.
 
     Args:
         sources: Source sentences, e.g. `[source for source, _ in corpus.test]`.
         tokenizer: The shared subword tokenizer.
         batch_size: Sentences per batch (the last batch may be smaller).
-        max_length: Longest source fed to the model.
+        max_source_length: Longest source fed to the model.
 
     Returns:
         A dataset of int32 `source_ids` of shape `[batch, length]`, ending with EOS and
         padded with `PAD_ID`.
 
     Raises:
-        ValueError: For a `max_length` below 2.
+        ValueError: For a `max_source_length` below 2.
     """
-    _check_max_length(max_length)
+    _check_room(max_source_length, "max_source_length")
 
     def encode(strings):
-        ids = tokenizer.tokenize(strings)[:, : max_length - 1]
+        ids = tokenizer.tokenize(strings)[:, : max_source_length - 1]
         return _pad(_append(ids, EOS_ID))
 
     strings = tf.data.Dataset.from_tensor_slices(tf.constant(list(sources), dtype=tf.string))
@@ -173,9 +173,9 @@ def make_translation_dataset(
     )
 
 
-def _check_max_length(max_length):
-    if max_length < 2:
-        raise ValueError(f"max_length must leave room for a token and EOS (at least 2), got {max_length}.")
+def _check_room(length, name="max_length"):
+    if length < 2:
+        raise ValueError(f"{name} must leave room for a token and EOS (at least 2), got {length}.")
 
 
 def encode_pairs(
@@ -198,7 +198,7 @@ def encode_pairs(
     Raises:
         ValueError: For a `max_length` below 2.
     """
-    _check_max_length(max_length)
+    _check_room(max_length)
     longest_text = max_length - 1  # Room for the EOS or BOS.
 
     def encode_chunk(sources, targets):

@@ -169,14 +169,13 @@ def prepare_for_float16(strategy):
     """Call before building float16 computations to run under `strategy`; a workaround for TensorFlow 2.21.
 
     On CPUs, Grappler's remapper fuses a MatMul and the BiasAdd (or Add) after it into
-    one oneDNN operation that for float16 has only oneDNN's reference kernel: a
-    `[192, 1024] x [1024, 256]` product with its bias took 980 ms fused and 0.8 ms
-    unfused (`ONEDNN_VERBOSE=1` shows `inner_product,ref:any`), and a `small` training
-    step took 20 s at batch 8. When every replica runs on a CPU this turns the remapper
-    off, with a warning; a float16 step then takes about as long as a float32 one.
+    one oneDNN operation that for float16 has only oneDNN's reference kernel
+    (`ONEDNN_VERBOSE=1` shows `inner_product,ref:any`), orders of magnitude slower than
+    the unfused ops (see docs/performance.md). When every replica runs on a CPU this turns
+    the remapper off, with a warning; a float16 step then takes about as long as a float32 one.
 
     The setting is process-wide: functions of any precision first run afterwards are not
-    fused either (a `small` float32 training step took the same time without the fusion).
+    fused either, which leaves float32 steps no slower (see docs/performance.md).
     On GPUs nothing changes.
 
     Args:

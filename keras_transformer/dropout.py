@@ -10,12 +10,11 @@ Philox generator. Two things make that mask expensive, and `Dropout` avoids both
   generator runs for half the elements. The rate is thereby quantised to multiples of
   2**-16 (0.1 becomes 0.100006); the kept elements are scaled by the inverse of the
   quantised keep probability, so the expectation of the output is still exactly the
-  input. On the 2-core benchmark machine, the 17 masks of a `small` step (with their
-  application) took 19.0 instead of 31.8 ms in graph mode, and 13.9 instead of 19.0
-  ms under XLA.
+  input. The masks of a step cost markedly less, in graph mode and under XLA (see
+  docs/performance.md).
 * **Threefry under XLA.** XLA expands Philox into integer arithmetic that is slow on
-  CPUs: a `[3072, 256]` mask took 7.1 ms under XLA, against 2.1 ms with Threefry (JAX's
-  default generator) and 2.1 ms with TensorFlow's own Philox kernel outside XLA. So
+  CPUs, several times slower than Threefry (JAX's default generator) under XLA or
+  TensorFlow's own Philox kernel outside it (see docs/performance.md). So
   inside XLA computations the generator is Threefry; elsewhere it is Philox (TensorFlow's
   CPU kernels implement only Philox). XLA runs Threefry on GPUs as well.
 

@@ -32,14 +32,32 @@ def sinusoidal_encoding(positions, d_model):
     return ops.reshape(interleaved, (-1, 2 * angles.shape[-1]))[:, :d_model]
 
 
+# Positions a learned positional encoding covers unless told.
+DEFAULT_MAX_POSITIONS = 1024
+
+
+def max_positions_argument(max_positions, kwargs):
+    """`max_positions`, or its old name `max_length` taken out of `kwargs` (configs saved before the rename).
+
+    Raises:
+        ValueError: If both are given.
+    """
+    if "max_length" not in kwargs:
+        return DEFAULT_MAX_POSITIONS if max_positions is None else max_positions
+    if max_positions is not None:
+        raise ValueError("Give max_positions or its old name max_length, not both.")
+    return kwargs.pop("max_length")
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class PositionalEncoding(keras.layers.Layer):
     """Adds position information to a sequence of embeddings.
 
     Args:
-        learned: Use a learned `[max_length, d_model]` table instead of the
+        learned: Use a learned `[max_positions, d_model]` table instead of the
             fixed sinusoids.
-        max_length: Longest sequence a learned table covers. The sinusoidal
+        max_positions: Longest sequence a learned table covers (`max_length`, its
+            name in configs saved before, is taken too). The sinusoidal
             encoding has no such limit. Positions past it are an error when the
             length and `start_index` are known as the layer is called (and a
             gather error in graph mode on CPUs); under XLA and on GPUs, where a
@@ -55,12 +73,16 @@ class PositionalEncoding(keras.layers.Layer):
         `inputs` plus the encoding of positions `start_index .. start_index + length - 1`.
     """
 
-    def __init__(self, learned=False, max_length=1024, **kwargs):
+    def __init__(self, learned=False, max_positions=None, **kwargs):
+        # Errors name the argument as it was given: configs saved before the rename say max_length.
+        given_as = "max_length" if "max_length" in kwargs else "max_positions"
+        max_positions = max_positions_argument(max_positions, kwargs)
         super().__init__(**kwargs)
-        if not isinstance(max_length, int) or max_length <= 0:
-            raise ValueError(f"max_length must be a positive integer, got {max_length!r}.")
+        if not isinstance(max_positions, int) or max_positions <= 0:
+            raise ValueError(f"{given_as} must be a positive integer, got {max_positions!r}.")
+        self._max_positions_name = given_as
         self.learned = learned
-        self.max_length = max_length
+        self.max_positions = max_positions
         self.supports_masking = True  # positions do not change which tokens are padding
 
     def build(self, inputs_shape):
@@ -74,7 +96,7 @@ class PositionalEncoding(keras.layers.Layer):
         if self.learned:
             self.position_embeddings = self.add_weight(
                 name="position_embeddings",
-                shape=(self.max_length, d_model),
+                shape=(self.max_positions, d_model),
                 initializer=keras.initializers.RandomNormal(stddev=d_model**-0.5),
             )
         self.built = True
@@ -82,11 +104,11 @@ class PositionalEncoding(keras.layers.Layer):
     def call(self, inputs, start_index=0):
         length = inputs.shape[1]
         if self.learned and isinstance(start_index, int) and length is not None:
-            if start_index + length > self.max_length:
+            if start_index + length > self.max_positions:
                 # A gather past the table fails on CPUs but clamps silently on GPUs and in XLA.
                 raise ValueError(
                     f"Positions {start_index}..{start_index + length - 1} exceed the learned positional "
-                    f"encodings' max_length ({self.max_length})."
+                    f"encodings' {self._max_positions_name} ({self.max_positions})."
                 )
         positions = ops.arange(ops.shape(inputs)[1]) + start_index
         if self.learned:
@@ -97,7 +119,7 @@ class PositionalEncoding(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update({"learned": self.learned, "max_length": self.max_length})
+        config.update({"learned": self.learned, "max_positions": self.max_positions})
         return config
 
 

@@ -17,6 +17,11 @@ the curve comparable from one validation to the next. It also writes, for a few
 validation sentences, the encoder-decoder attention of every decoder layer (mean over
 heads) as TensorBoard images: heatmaps with the source's subword pieces across, the
 translation's down and a colour bar (`keras_transformer.attention_plot`).
+
+Both `translate` and `Validator` search with a `DecodingSettings` (`decoding=`). Lengths:
+`translate` cuts sources at `max_source_length` tokens; `Validator`'s `max_length` is
+the training length cap, which it uses as both its loss batches' limit and its
+translations' source cut.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import sacrebleu
 import tensorflow as tf
 
 from keras_transformer import attention_plot, data
-from keras_transformer.decoding import beam_search
+from keras_transformer.decoding import DecodingSettings, beam_search
 from keras_transformer.losses import label_smoothed_cross_entropy, token_accuracy
 from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -117,13 +122,12 @@ def translate(
     tokenizer,
     sources: Sequence[str],
     *,
-    beam_size: int = 4,
-    alpha: float = 0.6,
+    decoding: DecodingSettings = DecodingSettings(),
     batch_size: int = data.DEFAULT_EVAL_BATCH_SIZE,
-    max_length: int = data.DEFAULT_MAX_LENGTH,
+    max_source_length: int = data.DEFAULT_MAX_LENGTH,
     on_batch: Callable[[int, int], None] | None = None,
 ) -> list[str]:
-    """Translates sentences with beam search (greedy for `beam_size=1`).
+    """Translates sentences with beam search (greedy for `DecodingSettings(beam_size=1)`).
 
     Sentences are decoded in batches of similar length (a batch decodes until its longest
     output ends), and returned in the order of `sources`.
@@ -132,10 +136,9 @@ def translate(
         model: A `Transformer`.
         tokenizer: The run's `SubwordTokenizer`.
         sources: Source sentences.
-        beam_size: Beams per sentence (paper: 4).
-        alpha: Length penalty (paper: 0.6).
+        decoding: The `DecodingSettings` of the search.
         batch_size: Sentences decoded together.
-        max_length: Longest source in tokens; longer ones are truncated.
+        max_source_length: Longest source in tokens, EOS included; longer ones are cut.
         on_batch: Optional `(translated, total)` callback after each batch, for
             progress output: sentences translated so far, and `len(sources)`.
 
@@ -145,8 +148,11 @@ def translate(
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     by_length = [sources[i] for i in order]
     outputs = []
-    for source_ids in data.make_translation_dataset(by_length, tokenizer, batch_size=batch_size, max_length=max_length):
-        hypotheses = beam_search(model, source_ids, beam_size=beam_size, alpha=alpha)
+    batches = data.make_translation_dataset(
+        by_length, tokenizer, batch_size=batch_size, max_source_length=max_source_length
+    )
+    for source_ids in batches:
+        hypotheses = beam_search(model, source_ids, decoding)
         outputs.extend(text.decode("utf-8") for text in tokenizer.detokenize(hypotheses.tokens).numpy())
         if on_batch is not None:
             on_batch(len(outputs), len(sources))
@@ -240,10 +246,11 @@ class Validator:
             the tokenizer's resource).
         label_smoothing: The training `eps`, so the validation loss is comparable.
         bleu_sentences: BLEU and chrF are computed on the first this many pairs (0: neither).
-        beam_size: Beam size of the BLEU and chrF translations (1: greedy).
-        alpha: Length penalty.
+        decoding: The `DecodingSettings` of the BLEU and chrF translations and of the
+            attention images.
         token_budget: Token budget of the loss batches.
-        max_length: Longest sequence, as in training.
+        max_length: Longest sequence, as in training (the training length cap): the
+            loss batches' and the translated sources' (`translate`'s `max_source_length`).
         attention_examples: Sentences whose attention is written as images.
         target_lang: Target language code for sacrebleu.
 
@@ -263,8 +270,7 @@ class Validator:
         *,
         label_smoothing=0.1,
         bleu_sentences=200,
-        beam_size=4,
-        alpha=0.6,
+        decoding=DecodingSettings(),
         token_budget=data.DEFAULT_TOKEN_BUDGET,
         max_length=data.DEFAULT_MAX_LENGTH,
         attention_examples=3,
@@ -274,8 +280,7 @@ class Validator:
         self.tokenizer = tokenizer
         self.label_smoothing = label_smoothing
         self.bleu_pairs = self.pairs[:bleu_sentences]
-        self.beam_size = beam_size
-        self.alpha = alpha
+        self.decoding = decoding
         self.max_length = max_length
         self.attention_sources = [source for source, _ in self.pairs[:attention_examples]]
         self.target_lang = target_lang
@@ -290,7 +295,7 @@ class Validator:
         if self.bleu_pairs:
             sources, references = zip(*self.bleu_pairs)
             translations = translate(
-                model, self.tokenizer, sources, beam_size=self.beam_size, alpha=self.alpha, max_length=self.max_length
+                model, self.tokenizer, sources, decoding=self.decoding, max_source_length=self.max_length
             )
             scores = corpus_scores(translations, references, self.target_lang)
             metrics.update(scores.metrics())
@@ -333,7 +338,7 @@ class Validator:
         `attention/example_E/decoder_layer_L`.
         """
         source_ids = next(iter(data.make_translation_dataset(self.attention_sources, self.tokenizer)))
-        output_ids = beam_search(model, source_ids, beam_size=self.beam_size, alpha=self.alpha).tokens
+        output_ids = beam_search(model, source_ids, self.decoding).tokens
         for example, attention in enumerate(translation_attention(model, self.tokenizer, source_ids, output_ids)):
             description = (
                 f"rows: output `{' '.join(attention.output_pieces)}`  \n"

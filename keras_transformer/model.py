@@ -8,6 +8,13 @@ Data flow of `Transformer`:
 
 For decoding, `encode` runs once per input, `init_cache` projects the encoder
 memory once per layer, and `decode_step` feeds only the newest tokens.
+
+Lengths: `max_positions` is how many positions learned positional encodings cover (a
+config's key; configs saved before the rename call it `max_length`, which
+`Transformer(**config)` and `from_config` still take); `init_cache(..., max_decode_length)`
+makes decoding buffers of that many positions. Neither is the training length cap
+(`max_length` of `keras_transformer.data`) or the cut of a translated source
+(`max_source_length`).
 """
 
 import keras
@@ -16,8 +23,7 @@ from keras import ops
 from keras_transformer.attention import spec_like
 from keras_transformer.blocks import DecoderLayer, EncoderLayer, LayerNormalization, check_model_dims, rowwise
 from keras_transformer.dropout import Dropout
-from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding
-from keras_transformer.presets import get_preset
+from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding, max_positions_argument
 
 
 class _Stack(keras.layers.Layer):
@@ -158,9 +164,9 @@ class Decoder(_Stack):
             layer.build(inputs_shape, encoder_outputs_shape)
         self._build_final_norm(inputs_shape)
 
-    def init_cache(self, encoder_outputs, max_length):
-        """Per-layer caches: empty self-attention buffers of `max_length`, projected encoder memory."""
-        return [layer.init_cache(encoder_outputs, max_length) for layer in self.blocks]
+    def init_cache(self, encoder_outputs, max_decode_length):
+        """Per-layer caches: empty self-attention buffers of `max_decode_length`, projected encoder memory."""
+        return [layer.init_cache(encoder_outputs, max_decode_length) for layer in self.blocks]
 
     def call(
         self,
@@ -215,7 +221,8 @@ class Transformer(keras.Model):
         dropout_rate: `P_drop`, on embeddings + encodings and sub-layer outputs.
         norm_first: Pre-LN instead of the paper's post-LN.
         learned_positions: Learned instead of sinusoidal positional encodings.
-        max_length: Longest sequence covered by learned positional encodings.
+        max_positions: Longest sequence covered by learned positional encodings
+            (default 1024). `max_length`, its name in configs saved before, is taken too.
         layer_norm_epsilon: LayerNorm epsilon.
         pad_id: Token id of padding, hidden from attention.
         **kwargs: Base `keras.Model` arguments (`name`, `dtype`, ...).
@@ -239,11 +246,12 @@ class Transformer(keras.Model):
         dropout_rate=0.1,
         norm_first=False,
         learned_positions=False,
-        max_length=1024,
+        max_positions=None,
         layer_norm_epsilon=1e-6,
         pad_id=0,
         **kwargs,
     ):
+        max_positions = max_positions_argument(max_positions, kwargs)
         super().__init__(**kwargs)
         check_model_dims(d_model, num_heads, d_ff, dropout_rate)
         self.vocab_size = vocab_size
@@ -254,14 +262,14 @@ class Transformer(keras.Model):
         self.dropout_rate = dropout_rate
         self.norm_first = norm_first
         self.learned_positions = learned_positions
-        self.max_length = max_length
+        self.max_positions = max_positions
         self.layer_norm_epsilon = layer_norm_epsilon
         self.pad_id = pad_id
 
         policy = self.dtype_policy
         self.embedding = SharedEmbedding(vocab_size, d_model, name="shared_embedding", dtype=policy)
         self.positional_encoding = PositionalEncoding(
-            learned=learned_positions, max_length=max_length, name="positional_encoding", dtype=policy
+            learned=learned_positions, max_positions=max_positions, name="positional_encoding", dtype=policy
         )
         self.embedding_dropout = Dropout(dropout_rate, dtype=policy)
         stack_args = dict(
@@ -279,8 +287,10 @@ class Transformer(keras.Model):
 
     @classmethod
     def from_preset(cls, preset, vocab_size, **overrides):
-        """Builds a model of a named size ("tiny", "small", "base", "big", ...); see `presets`."""
-        config = dict(get_preset(preset))
+        """Builds a model of a named size ("tiny", "small", "base", "big", ...); see `keras_transformer.recipes`."""
+        from keras_transformer.recipes import get_preset  # Recipes import decoding, which serves this model.
+
+        config = get_preset(preset)
         config.update(overrides)
         return cls(vocab_size=vocab_size, **config)
 
@@ -314,9 +324,9 @@ class Transformer(keras.Model):
         x = self.decoder(x, encoder_outputs, source_padding_mask, training=training)
         return self.embedding(x, reverse=True)
 
-    def init_cache(self, encoder_outputs, max_length):
-        """Decoding cache for outputs of up to `max_length` tokens (one entry per decoder layer)."""
-        return self.decoder.init_cache(encoder_outputs, max_length)
+    def init_cache(self, encoder_outputs, max_decode_length):
+        """Decoding cache for outputs of up to `max_decode_length` tokens (one entry per decoder layer)."""
+        return self.decoder.init_cache(encoder_outputs, max_decode_length)
 
     def decode_step(self, token_ids, cache, cache_index, source_padding_mask, output_kernel=None):
         """Logits for the newest tokens only, reusing the cached keys and values.
@@ -363,7 +373,7 @@ class Transformer(keras.Model):
             "dropout_rate": self.dropout_rate,
             "norm_first": self.norm_first,
             "learned_positions": self.learned_positions,
-            "max_length": self.max_length,
+            "max_positions": self.max_positions,
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "pad_id": self.pad_id,
         }

@@ -55,10 +55,12 @@ MODEL_KEYS = (
     "dropout_rate",
     "norm_first",
     "learned_positions",
-    "max_length",
+    "max_positions",
     "layer_norm_epsilon",
     "pad_id",
 )
+# Model keys of config.json files written before a rename, and their names now.
+RENAMED_MODEL_KEYS = {"max_length": "max_positions"}
 
 
 class RunDirError(ValueError):
@@ -342,15 +344,21 @@ def validated_steps(run_dir):
     return {step for points in scalars.values() for step, _, _ in points}
 
 
-def translation_settings(run_dir):
-    """The beam size and length penalty the run translates with (its validation and test BLEU).
+def decoding_settings(run_dir):
+    """The `DecodingSettings` the run translates with (those of its validation and test BLEU).
 
     Returns:
-        `{"beam_size": ..., "alpha": ...}` as saved in config.json, as `Translator`
-        arguments; a setting the run did not save is left out.
+        `DecodingSettings` with the beam size and length penalty saved in config.json's
+        "train" section; a setting the run did not save keeps its default.
+
+    Raises:
+        RunDirError: When config.json is missing or damaged.
+        ValueError: For a saved setting out of range.
     """
+    from keras_transformer.decoding_settings import DecodingSettings  # Standard library only.
+
     train = read_config(run_dir).get("train", {})
-    return {name: train[name] for name in ("beam_size", "alpha") if train.get(name) is not None}
+    return DecodingSettings().replace(beam_size=train.get("beam_size"), alpha=train.get("alpha"))
 
 
 def tokenizer_path(run_dir):

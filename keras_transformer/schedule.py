@@ -66,8 +66,8 @@ class FusedAdam(keras.optimizers.Adam):
     """`keras.optimizers.Adam` whose TensorFlow update is one fused kernel per variable.
 
     Keras's Adam updates a variable with about ten element-wise ops, each a pass over
-    the weights or its two slots (5% of a `base` training step on a CPU in the
-    profile). TensorFlow's `ResourceApplyAdam` does the same arithmetic in one pass:
+    the weights or its two slots: a visible share of a training step on a CPU (see
+    docs/performance.md). TensorFlow's `ResourceApplyAdam` does the same arithmetic in one pass:
 
         m = m + (g - m) (1 - beta_1);  v = v + (g^2 - v) (1 - beta_2)
         w = w - lr sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)

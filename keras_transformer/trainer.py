@@ -25,19 +25,20 @@ Resuming, and where the data stands: the training stream is the dataset returned
 seeded and every epoch reshuffles deterministically). A run restored at step `s` skips
 the first `s * replicas_per_worker` batches of its worker's stream, so it sees exactly
 the batches an uninterrupted run would have seen, and only the steps after the last
-checkpoint are redone. Skipping re-runs the cheap part of the pipeline (shuffling,
-bucketing, padding of cached token ids; about 10 ms a batch on Multi30k), not the model.
-This holds as long as the seed, the data flags and the number of replicas are unchanged;
-we chose it over checkpointing the tf.data iterator, whose state includes the whole
-shuffle buffer (tens of MB per checkpoint on WMT) and which not every pipeline op supports.
+checkpoint are redone. Skipping re-runs only the cheap part of the pipeline (shuffling,
+bucketing, padding of cached token ids), not the model: little next to the steps it
+skips (see docs/performance.md). This holds as long as the seed, the data flags and the
+number of replicas are unchanged; we chose it over checkpointing the tf.data iterator,
+whose state includes the whole shuffle buffer (large on a big corpus, and in every
+checkpoint) and which not every pipeline op supports.
 
-Validation-driven training: a run that validates every `eval_every` steps keeps the
-weights of its best validation BLEU so far in `RUN/best` (`run_dir.best_checkpoint`),
-out of reach of the rotation of `RUN/checkpoints`; with `patience` N, it stops once N
-validations in a row have not improved on that BLEU. The record survives a resume: the
-best checkpoint holds its BLEU, and the validations since it are read from the
-validation logs. Only the chief validates; it decides, and every worker follows through
-an all-reduce (see `_agreed`): all save the best checkpoint and all stop together.
+Validation-driven training (`keras_transformer.best_checkpoint`): a run that validates
+every `eval_every` steps keeps the checkpoint of its best validation BLEU in `RUN/best`
+and, with `patience`, stops once that BLEU no longer improves. Only the chief validates;
+it decides, and every worker follows through an all-reduce (see `_agreed`): all save the
+best checkpoint and all stop together.
+
+Progress lines, training summaries and time estimates: `keras_transformer.progress`.
 
 Multi-worker: every worker runs the same loop; only the chief writes checkpoints under
 `RUN/checkpoints`, summaries and logs (the others write their checkpoints to a temporary
@@ -51,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import shutil
 import tempfile
 import time
@@ -62,31 +62,25 @@ import keras
 import tensorflow as tf
 
 from keras_transformer import distribution
+from keras_transformer.best_checkpoint import BestCheckpoint
 from keras_transformer.losses import label_smoothed_cross_entropy, sum_over_replicas, token_accuracy
+from keras_transformer.precision import DTYPE_POLICIES
+from keras_transformer.progress import TrainingProgress, describe_plan, validation_time_left
 from keras_transformer.run_dir import (
     BEST_DIR,
-    BEST_METRIC,
     CHECKPOINT_DIR,
     CHECKPOINT_NAME,
     LOG_DIR,
     RunDirError,
-    best_checkpoint,
     check_checkpointable,
     checkpoint_step,
     checkpoints,
-    read_scalars,
     restore_checkpoint,
     validated_steps,
 )
 from keras_transformer.schedule import DEFAULT_WARMUP_STEPS, TransformerSchedule, make_optimizer
 
 logger = logging.getLogger(__name__)
-
-# --mixed-precision choices and their Keras dtype policies.
-DTYPE_POLICIES = {"none": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
-
-# Timed steps (those that trace no step function) behind the first estimate of the run's length.
-ESTIMATE_AFTER_STEPS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,49 +164,6 @@ class TrainingResult:
     out_of_patience: bool = False
 
 
-class _Interval:
-    """Sums of the step metrics since the last progress line.
-
-    Steps that traced a step function are left out of the timing (`timed_*`), not
-    out of the loss and accuracy.
-    """
-
-    def __init__(self):
-        self.sums = {"loss_sum": 0.0, "correct": 0.0, "tokens": 0.0}
-        self.timed_steps = 0
-        self.timed_seconds = 0.0
-        self.timed_tokens = 0.0
-
-    def add(self, metrics, seconds, timed):
-        for name in self.sums:
-            self.sums[name] += metrics[name]
-        if timed:
-            self.timed_steps += 1
-            self.timed_seconds += seconds
-            self.timed_tokens += metrics["tokens"]
-
-
-@dataclasses.dataclass
-class _BestSoFar:
-    """The chief's record of the best validation BLEU: its step and the validations since.
-
-    A fresh record (`step` -1) takes the first BLEU as its best.
-    """
-
-    step: int = -1
-    bleu: float = -math.inf
-    validations_since: int = 0
-
-    def update(self, step, bleu):
-        """Records the BLEU of `step`; returns whether it is a new best (strictly higher)."""
-        if bleu > self.bleu:
-            self.step, self.bleu, self.validations_since = step, bleu, 0
-            return True
-        if step > self.step:  # The best step itself, validated again after a crash, is no setback.
-            self.validations_since += 1
-        return False
-
-
 class Trainer:
     """Trains a model under a distribution strategy with the paper's recipe.
 
@@ -281,16 +232,12 @@ class Trainer:
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, str(self._save_dir), max_to_keep=config.keep_checkpoints, checkpoint_name=CHECKPOINT_NAME
         )
-        # The best weights with their BLEU, atomically in one checkpoint; the other workers save theirs
-        # to their temporary directory, as for `manager`.
-        self._best_bleu = tf.Variable(-math.inf, dtype=tf.float64, trainable=False, name=BEST_METRIC)
-        self._best_manager = tf.train.CheckpointManager(
-            tf.train.Checkpoint(model=self.model, **{BEST_METRIC: self._best_bleu}),
-            str(self.run_dir / BEST_DIR if self.is_chief else self._save_dir / BEST_DIR),
-            max_to_keep=1,
-            checkpoint_name=CHECKPOINT_NAME,
+        # The other workers save their best checkpoints to their temporary directory, as for `manager`.
+        self._best = BestCheckpoint(
+            self.model, self.run_dir, self.run_dir / BEST_DIR if self.is_chief else self._save_dir / BEST_DIR,
+            decides=self.is_chief and validate_fn is not None, eval_every=config.eval_every, patience=config.patience,
+            logger=logger,
         )
-        self._best = _BestSoFar()
         self._validation_seconds = None
         self._gradients = self._make_gradients_fn()
         self._train_steps = {}
@@ -358,7 +305,7 @@ class Trainer:
         """
         config = self.config
         start_step = self.restore()
-        self._best = self._read_best_so_far(start_step)
+        self._best.resume(start_step)
         started = time.monotonic()
         writers = self._summary_writers()
         if self._agreed(self._validation_cut_off(start_step)):
@@ -368,19 +315,20 @@ class Trainer:
             logger.info("Already trained %d of %d steps; nothing to do.", start_step, config.train_steps)
             self._cleanup_worker_checkpoints()
             return TrainingResult(start_step, start_step, False, 0.0, 0.0)
-        if self._agreed(self._out_of_patience()):
+        if self._agreed(self._best.out_of_patience()):
             logger.info("Stopped at step %d of %d: %s; nothing to do.", start_step, config.train_steps,
-                        self._no_improvement())
+                        self._best.no_improvement())
             self._cleanup_worker_checkpoints()
             return TrainingResult(start_step, start_step, False, 0.0, 0.0, out_of_patience=True)
         logger.info("Training %s (%s parameters) on %d replica(s): %s.", type(self.model).__name__,
-                    f"{self.model.count_params():,}", self.strategy.num_replicas_in_sync, self._plan(start_step))
+                    f"{self.model.count_params():,}", self.strategy.num_replicas_in_sync,
+                    describe_plan(config, start_step))
         iterator = iter(self._training_stream(dataset_fn, start_step))
         step = start_step
-        interval = _Interval()
-        train_seconds = 0.0
-        train_tokens = 0.0
-        timed_steps = 0
+        progress = TrainingProgress(
+            config, self.schedule, self.optimizer, writers["train"], started=started, logger=logger,
+            validation_time_left=self._validation_time_left, validates=self.validate_fn is not None and self.is_chief,
+        )
         stopped_early = out_of_patience = False
         try:
             while step < config.train_steps:
@@ -398,29 +346,21 @@ class Trainer:
                 metrics = {name: float(value) for name, value in metrics.items()}
                 step_seconds = time.monotonic() - step_started
                 step += 1
-                interval.add(metrics, step_seconds, timed=not tracing)
-                if not tracing:
-                    train_seconds += step_seconds
-                    train_tokens += metrics["tokens"]
-                    timed_steps += 1
-                    if timed_steps == ESTIMATE_AFTER_STEPS:
-                        self._log_estimate(step, train_seconds / timed_steps, started)
+                progress.add(step, metrics, step_seconds, timed=not tracing)
                 if with_grad_norm:
-                    # A new interval first: interrupted while logging, the run must not log these steps again.
-                    logged, interval = interval, _Interval()
-                    self._log_progress(step, logged, metrics["grad_norm"], started, writers["train"])
+                    progress.log(step, metrics["grad_norm"])
                 if step % config.checkpoint_every == 0:
                     self.save()
                 out_of_patience = self._validation_due(step) and self._evaluate(step, writers["validation"])
                 if self._stop_agreed():
                     raise KeyboardInterrupt
                 if out_of_patience:
-                    self._log_rest(step, interval, started, writers["train"])
-                    logger.info("Stopping at step %d of %d: %s.", step, config.train_steps, self._no_improvement())
+                    progress.log_rest(step)
+                    logger.info("Stopping at step %d of %d: %s.", step, config.train_steps, self._best.no_improvement())
                     break
                 if self._out_of_time(started):
                     stopped_early = step < config.train_steps
-                    self._log_rest(step, interval, started, writers["train"])
+                    progress.log_rest(step)
                     logger.info("Time budget of %g minutes reached at step %d.", config.max_minutes, step)
                     break
         except distribution.PEER_FAILURES as error:
@@ -435,7 +375,7 @@ class Trainer:
             # Python raises it once the step's TensorFlow call returns, often before `step += 1`
             # ran: that step's metrics are lost, but the model and `self.step` have taken it.
             step = int(self.step.numpy())
-            self._log_rest(step, interval, started, writers["train"])
+            progress.log_rest(step)
             path = self.save()
             logger.info("Interrupted at step %d; saved %s. Run the same command to resume.", step, path)
             self._cleanup_worker_checkpoints()
@@ -450,8 +390,7 @@ class Trainer:
         self._cleanup_worker_checkpoints()
         seconds = time.monotonic() - started
         return TrainingResult(
-            start_step, step, stopped_early, seconds, train_tokens / train_seconds if train_seconds else 0.0,
-            out_of_patience,
+            start_step, step, stopped_early, seconds, progress.tokens_per_second, out_of_patience
         )
 
     def _training_stream(self, dataset_fn, start_step):
@@ -527,110 +466,9 @@ class Trainer:
 
         return gradients
 
-    def _log_progress(self, step, interval, grad_norm, started, writer):
-        """One progress line and the training summaries of the last interval.
-
-        Loss and accuracy are token-weighted over the interval; the gradient norm is the
-        one of the global gradient of the last step, None when it was not computed (an
-        interval cut short by an interruption).
-        """
-        sums = interval.sums
-        tokens = max(sums["tokens"], 1.0)
-        loss = sums["loss_sum"] / tokens
-        accuracy = sums["correct"] / tokens
-        learning_rate = self._last_learning_rate()
-        elapsed = time.monotonic() - started
-        tokens_per_second, eta = self._speed(interval, step, elapsed)
-        logger.info(
-            "step %d/%d | loss %.3f | acc %.3f | lr %.2e | grad norm %s | %s tok/s | elapsed %s | ETA %s",
-            step,
-            self.config.train_steps,
-            loss,
-            accuracy,
-            learning_rate,
-            "-" if grad_norm is None else f"{grad_norm:.2f}",
-            "-" if tokens_per_second is None else f"{tokens_per_second:,.0f}",
-            format_duration(elapsed),
-            "-" if eta is None else format_duration(eta),
-        )
-        with writer.as_default(step=step):
-            tf.summary.scalar("loss", loss)
-            tf.summary.scalar("accuracy", accuracy)
-            tf.summary.scalar("learning_rate", learning_rate)
-            if grad_norm is not None:
-                tf.summary.scalar("grad_norm", grad_norm)
-            if tokens_per_second is not None:  # A 0 would be a false dip in the curve.
-                tf.summary.scalar("tokens_per_second", tokens_per_second)
-
-    def _last_learning_rate(self):
-        """The rate of the last update applied.
-
-        From the optimizer's count of updates, not the trainer's `step`: with float16 loss
-        scaling, a step whose gradients overflowed applies no update and the schedule does
-        not advance.
-        """
-        return float(self.schedule(max(int(self.optimizer.iterations.numpy()) - 1, 0)))
-
-    def _log_rest(self, step, interval, started, writer):
-        """A progress line for the steps since the last one, when the run stops between lines."""
-        if interval.sums["tokens"]:
-            self._log_progress(step, interval, None, started, writer)
-
-    def _speed(self, interval, step, elapsed):
-        """`(target tokens per second, seconds left)` of the interval; None for what it cannot tell.
-
-        An interval made only of steps that traced a step function has no timing: its
-        speed is unknown (not 0), and so is the time left, unless no step is left.
-        """
-        steps_left = self.config.train_steps - step
-        if not interval.timed_steps or not interval.timed_seconds:
-            return None, (0.0 if steps_left == 0 else None)
-        eta = steps_left * interval.timed_seconds / interval.timed_steps + self._validation_time_left(step)
-        if self.config.max_minutes:
-            eta = min(eta, max(0.0, self.config.max_minutes * 60 - elapsed))
-        return interval.timed_tokens / interval.timed_seconds, eta
-
     def _validation_time_left(self, step):
-        """Seconds of the validations still due after `step`, the final one included, at the last one's pace.
-
-        0 until a validation has been timed (and on the workers that do not validate).
-        """
-        if self._validation_seconds is None:
-            return 0.0
-        every = self.config.eval_every
-        due = max(0, (self.config.train_steps - 1) // every - step // every) if every else 0
-        return (due + 1) * self._validation_seconds
-
-    def _plan(self, start_step):
-        """What `fit` trains: '800 steps (1-800), or 60 minutes, or until ...'."""
-        config = self.config
-        plan = f"{config.train_steps - start_step} steps ({start_step + 1}-{config.train_steps})"
-        if config.max_minutes:
-            plan += f", or {config.max_minutes:g} minutes"
-        if config.patience:
-            plan += f", or until {config.patience} validations in a row do not improve the validation BLEU"
-        return plan
-
-    def _log_estimate(self, step, seconds_per_step, started):
-        """How long the steps left take, at the pace of the first timed steps."""
-        config = self.config
-        steps_left = config.train_steps - step
-        seconds = steps_left * seconds_per_step
-        message = (
-            f"{seconds_per_step:.2f} s a step over the first {ESTIMATE_AFTER_STEPS} timed steps: the {steps_left} "
-            f"steps left take about {format_duration(seconds)}"
-        )
-        if self.validate_fn is not None and self.is_chief:
-            message += ", plus the validations" if config.eval_every else ", plus the final validation"
-        budget_left = math.inf
-        if config.max_minutes:
-            budget_left = max(0.0, config.max_minutes * 60 - (time.monotonic() - started))
-        if seconds > budget_left:
-            message += (
-                f"; the {config.max_minutes:g}-minute budget stops the run near step "
-                f"{step + int(budget_left / seconds_per_step)}"
-            )
-        logger.info("%s.", message)
+        """Seconds of the validations still due after `step`, the final one included, at the last one's pace."""
+        return validation_time_left(self.config, step, self._validation_seconds)
 
     def _validation_due(self, step):
         """Whether the training loop validates after `step` (the last step is validated after the loop)."""
@@ -654,9 +492,9 @@ class Trainer:
         Every worker calls it: the chief decides, the others follow (see `_agreed`).
         """
         metrics = self._validate(step, writer)
-        if self._agreed(self._record_best(step, metrics)):
-            self._save_best(step)
-        return self._agreed(self._out_of_patience())
+        if self._agreed(self._best.record(step, metrics)):
+            self._best.save(step)
+        return self._agreed(self._best.out_of_patience())
 
     def _validate(self, step, writer):
         """Runs `validate_fn` on the chief, logs its metrics and writes them as summaries; returns them.
@@ -674,58 +512,6 @@ class Trainer:
         self._validation_seconds = time.monotonic() - started
         logger.info("validation at step %d | %s", step, " | ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
         return metrics
-
-    def _keeps_best(self):
-        """Whether this run keeps a best checkpoint: it validates every `eval_every` steps, or did before."""
-        return self.is_chief and self.validate_fn is not None and (self.config.eval_every > 0 or self._best.step >= 0)
-
-    def _read_best_so_far(self, start_step):
-        """The chief's `_BestSoFar` at `start_step`: the BLEU of RUN/best, and the validations logged after it."""
-        found = best_checkpoint(self.run_dir) if self.is_chief and self.validate_fn is not None else None
-        if found is None:
-            return _BestSoFar()
-        path, bleu = found
-        best = _BestSoFar(checkpoint_step(path), bleu)
-        logged = read_scalars(self.run_dir / LOG_DIR / "validation").get(BEST_METRIC, [])
-        # Up to `start_step` only: validations of steps past the checkpoint resumed from are redone.
-        best.validations_since = sum(1 for step, _, _ in logged if best.step < step <= start_step)
-        return best
-
-    def _record_best(self, step, metrics):
-        """Records the validation BLEU of `step` on the chief; returns whether it is a new best."""
-        if metrics is None or not self._keeps_best():
-            return False
-        if BEST_METRIC not in metrics:
-            if self.config.patience:
-                logger.warning("The validation at step %d gave no %s: patience cannot count it.", step, BEST_METRIC)
-            return False
-        best = self._best
-        if best.update(step, metrics[BEST_METRIC]):
-            return True
-        logger.info(
-            "Validation BLEU %.2f at step %d: no better than %.2f at step %d (%d validation(s) without improvement%s).",
-            metrics[BEST_METRIC], step, best.bleu, best.step, best.validations_since,
-            f", patience {self.config.patience}" if self.config.patience else "",
-        )
-        return False
-
-    def _save_best(self, step):
-        """Saves the model as the best checkpoint of `step`, with its BLEU, on every worker."""
-        self._best_bleu.assign(self._best.bleu)  # The chief's BLEU; the other workers' copies are thrown away.
-        path = self._best_manager.save(checkpoint_number=step)
-        if self.is_chief:
-            logger.info("Best validation BLEU so far, %.2f at step %d: saved %s.", self._best.bleu, step, path)
-
-    def _out_of_patience(self):
-        """Whether `patience` validations in a row have not improved on the best BLEU (known on the chief)."""
-        return bool(self.config.patience) and self._best.validations_since >= self.config.patience
-
-    def _no_improvement(self):
-        """Why patience stopped the run, for the log."""
-        why = f"validation BLEU has not improved for {self.config.patience} validations (patience)"
-        if self.is_chief:
-            why += f"; the best, {self._best.bleu:.2f}, is step {self._best.step}'s"
-        return why
 
     def _summary_writers(self):
         if not self.is_chief:
@@ -771,15 +557,3 @@ class Trainer:
     def _cleanup_worker_checkpoints(self):
         if not self.is_chief:
             shutil.rmtree(self._save_dir, ignore_errors=True)
-
-
-def format_duration(seconds):
-    """'1h02m', '3m05s' or '42s'."""
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, seconds = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{seconds:02d}s"
-    return f"{seconds}s"

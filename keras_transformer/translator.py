@@ -6,9 +6,14 @@ so a `Translator` saved with `tf.saved_model.save` needs neither Python nor this
 package to serve: TF Serving, or `tf.saved_model.load` with only `tensorflow` and
 `tensorflow_text` imported, runs it.
 
+Its two signatures, their inputs, outputs and the "unset" rule of the options are the
+table of `keras_transformer.signatures`; how it searches is one `DecodingSettings`
+(`keras_transformer.decoding_settings`), saved with it: `translate_with_options`'
+unset options are those settings.
+
 Input handling, chosen so that no input makes serving fail:
 
-* Sources are cut to `max_input_length` tokens, EOS included (default 256,
+* Sources are cut to `max_source_length` tokens, EOS included (default 256,
   `keras_transformer.data`'s default length limit; Multi30k runs train on pairs of up
   to 128); longer inputs are translated from their beginning only.
 * Text is cleaned as training text was (`tokenizer.clean_text`): line breaks and tabs
@@ -26,33 +31,38 @@ Input handling, chosen so that no input makes serving fail:
   rounding of different batch shapes).
 
 With `jit_compile=True`, `translate`'s search (not the tokenizer, whose ops XLA cannot
-compile) runs as one XLA computation: on a CPU a decoding step then costs a fraction
-of its graph-mode time, which is mostly per-op overhead at batch 1. XLA compiles once
-per input shape, so sources are padded to a few bucket lengths (powers of two from 16
-to `max_input_length`): a server compiles each (batch size, bucket) it meets once.
-TF Serving runs such a model on a CPU only with `--xla_cpu_compilation_enabled=true`.
+compile) runs as one XLA computation, which on CPUs saves most of the per-op overhead
+of a small batch (see docs/performance.md). XLA compiles once per input shape, so
+sources are padded to a few bucket lengths (powers of two from 16 to
+`max_source_length`): a server compiles each (batch size, bucket) it meets once. TF
+Serving runs such a model on a CPU only with `--xla_cpu_compilation_enabled=true`.
 
 A `Translator` keeps the output projection's kernel (the transposed embedding matrix)
 as a variable of its own, made when it is built: every search would otherwise copy
-the whole matrix once (8 MB for the `small` preset, about 1 ms of a CPU request).
-Build it from the trained weights; a model trained further needs a new `Translator`.
+the whole matrix once. Build it from the trained weights; a model trained further needs
+a new `Translator`.
 """
 
 import tensorflow as tf
 
-from keras_transformer import decoding, run_dir
+from keras_transformer import run_dir
+from keras_transformer import signatures as signature_table  # Not `signatures`: a method's name here.
 from keras_transformer.data import DEFAULT_MAX_LENGTH
+from keras_transformer.decoding import MAX_BEAM_SIZE, NEG_INF, DecodingSettings, beam_search
+from keras_transformer.signatures import OPTIONS_SIGNATURE, SERVING_SIGNATURE
 from keras_transformer.tokenizer import EOS_ID, PAD_ID, SubwordTokenizer
 
-SERVING_SIGNATURE = "serving_default"
-OPTIONS_SIGNATURE = "translate_with_options"
-DEFAULT_MAX_INPUT_LENGTH = DEFAULT_MAX_LENGTH
-# Bounds `translate_with_options`' beam_size, so that a request cannot exhaust memory.
-MAX_BEAM_SIZE = 16
-# Shortest source bucket of the XLA search; longer buckets double up to max_input_length.
+__all__ = ["DEFAULT_MAX_SOURCE_LENGTH", "MAX_BEAM_SIZE", "Translator", "pad_to_bucket", "xla_buckets"]
+
+# Sources are cut to this many tokens, EOS included, unless a translator is told otherwise.
+DEFAULT_MAX_SOURCE_LENGTH = DEFAULT_MAX_LENGTH
+# Shortest source bucket of the XLA search; longer buckets double up to max_source_length.
 MIN_XLA_BUCKET = 16
 
-_TEXT = tf.TensorSpec([None], tf.string, name="text")
+
+def _input_specs(signature):
+    """The `tf.TensorSpec`s of a signature's inputs, from the table of `keras_transformer.signatures`."""
+    return [tf.TensorSpec(tensor.shape, tensor.dtype, name=tensor.name) for tensor in signature.inputs]
 
 
 class Translator(tf.Module):
@@ -61,23 +71,17 @@ class Translator(tf.Module):
     Args:
         model: A trained `keras_transformer.Transformer`.
         tokenizer: The `SubwordTokenizer` the model was trained with.
-        beam_size: Beam size of `translate` (the paper: 4; 1 is greedy decoding).
-        alpha: Length penalty of `translate` (the paper: 0.6).
-        max_extra_length: Outputs have at most source length + this many tokens (the
-            paper: 50).
-        max_input_length: Sources are cut to this many tokens, EOS included (capped
-            at `model.max_length` for learned positional encodings).
+        decoding: The `DecodingSettings` of `translate` (beam size, length penalty,
+            extra length, minimum length), and of `translate_with_options` for the
+            options a request leaves unset. Its early stop, which both signatures use,
+            is saved with the module as `early_stopping_rule`.
+        max_source_length: Sources are cut to this many tokens, EOS included (capped
+            at `model.max_positions` for learned positional encodings).
         vocabulary_file: Optional path of the tokenizer's SentencePiece model file;
             saved with the module as an asset (`assets/`), for clients and tools.
         jit_compile: Compile `translate`'s beam search with XLA, sources padded to
             `xla_buckets` lengths (see the module docstring). `translate_with_options`
             stays in graph mode.
-        early_stopping: When both signatures' beam search stops: `"exact"` (the
-            paper's code; the result of a search to the maximum length) or
-            `"current_length"` (fewer steps, not always the exact result); see
-            `keras_transformer.decoding`. Saved with the module as `early_stopping_rule`.
-        min_length: Tokens `translate` generates before EOS at the least (default 1,
-            so that no sentence translates to ""; 0 lets EOS come first).
         name: Module name.
 
     Keep a reference to the translator while calling `translate` or
@@ -91,32 +95,23 @@ class Translator(tf.Module):
         model,
         tokenizer: SubwordTokenizer,
         *,
-        beam_size=4,
-        alpha=0.6,
-        max_extra_length=50,
-        max_input_length=DEFAULT_MAX_INPUT_LENGTH,
+        decoding: DecodingSettings = DecodingSettings(),
+        max_source_length=DEFAULT_MAX_SOURCE_LENGTH,
         vocabulary_file=None,
         jit_compile=False,
-        early_stopping="exact",
-        min_length=decoding.DEFAULT_MIN_LENGTH,
         name=None,
     ):
         super().__init__(name=name)
-        if not 1 <= beam_size <= MAX_BEAM_SIZE:
-            raise ValueError(f"beam_size must be between 1 and {MAX_BEAM_SIZE}, got {beam_size}.")
+        if not isinstance(decoding, DecodingSettings):
+            raise TypeError(f"decoding must be a DecodingSettings, got {decoding!r}.")
         if not model.built:
             raise ValueError(
                 "Translator needs a trained model, whose weights exist; this one is not "
                 "built (load one with run_dir.load_model, or call it on a batch first)."
             )
-        decoding.check_early_stopping(early_stopping)
-        if max_extra_length < 0:
-            raise ValueError(f"max_extra_length must be 0 or more, got {max_extra_length}.")
-        if min_length < 0:
-            raise ValueError(f"min_length must be 0 or more, got {min_length}.")
-        if max_input_length < 2:
+        if max_source_length < 2:
             raise ValueError(
-                f"max_input_length must leave room for a token and EOS, got {max_input_length}."
+                f"max_source_length must leave room for a token and EOS, got {max_source_length}."
             )
         if model.pad_id != PAD_ID:
             raise ValueError(
@@ -125,22 +120,20 @@ class Translator(tf.Module):
             )
         self.model = model
         self.tokenizer = tokenizer
-        self.beam_size = beam_size
-        self.alpha = alpha
-        self.max_extra_length = max_extra_length
-        self.min_length = min_length
-        self.max_input_length = (
-            min(max_input_length, model.max_length) if model.learned_positions else max_input_length
+        self.decoding = decoding
+        self.max_source_length = (
+            min(max_source_length, model.max_positions) if model.learned_positions else max_source_length
         )
         self.vocabulary_file = (
             None if vocabulary_file is None else tf.saved_model.Asset(str(vocabulary_file))
         )
         self.jit_compile = jit_compile
-        self.early_stopping = early_stopping
         # Saved with the module, so that a loaded model (and the serving benchmark)
         # can tell how it searches.
-        self.early_stopping_rule = tf.Variable(early_stopping, trainable=False, name="early_stopping_rule")
-        self.xla_buckets = xla_buckets(self.max_input_length)
+        self.early_stopping_rule = tf.Variable(
+            decoding.early_stopping, trainable=False, name="early_stopping_rule"
+        )
+        self.xla_buckets = xla_buckets(self.max_source_length)
         # A snapshot of the trained weights, see the module docstring.
         self._output_kernel = tf.Variable(
             model.embedding.transposed_embeddings(), trainable=False, name="output_kernel"
@@ -151,14 +144,17 @@ class Translator(tf.Module):
         )
 
     @classmethod
-    def from_run_dir(cls, path, which="best", **options):
+    def from_run_dir(cls, path, which="best", decoding=None, **options):
         """The translator of a training run directory (see `keras_transformer.run_dir`).
 
         Args:
             path: The run directory.
             which: Checkpoint to load, see `run_dir.checkpoint_path`.
-            **options: `Translator` arguments. `beam_size` and `alpha` default to the
-                run's own (`run_dir.translation_settings`), which its BLEU was measured with.
+            decoding: `DecodingSettings`; `None` for the run's own
+                (`run_dir.decoding_settings`: the beam size and length penalty its BLEU
+                was measured with). For the run's with a change:
+                `run_dir.decoding_settings(path).replace(beam_size=...)`.
+            **options: Other `Translator` arguments (`max_source_length`, `jit_compile`, ...).
 
         Returns:
             A `Translator` whose `vocabulary_file` is the run's tokenizer model.
@@ -170,7 +166,8 @@ class Translator(tf.Module):
             run_dir.load_model(path, which),
             run_dir.load_tokenizer(path),
             vocabulary_file=run_dir.tokenizer_path(path),
-            **{**run_dir.translation_settings(path), **options},
+            decoding=run_dir.decoding_settings(path) if decoding is None else decoding,
+            **options,
         )
 
     def signatures(self):
@@ -180,9 +177,9 @@ class Translator(tf.Module):
             OPTIONS_SIGNATURE: self.translate_with_options.get_concrete_function(),
         }
 
-    @tf.function(input_signature=[_TEXT], autograph=False)
+    @tf.function(input_signature=_input_specs(signature_table.SERVING_DEFAULT), autograph=False)
     def translate(self, text):
-        """Translates with the beam size and length penalty given at construction.
+        """Translates with the translator's `DecodingSettings`: `serving_default`.
 
         Args:
             text: tf.string `[batch]`, UTF-8 sentences.
@@ -202,19 +199,11 @@ class Translator(tf.Module):
             "score": tf.where(blank, 0.0, best.scores),
         }
 
-    @tf.function(
-        input_signature=[
-            _TEXT,
-            tf.TensorSpec([], tf.int32, name="beam_size"),
-            tf.TensorSpec([], tf.float32, name="alpha"),
-            tf.TensorSpec([], tf.int32, name="max_length"),
-            tf.TensorSpec([], tf.int32, name="min_length"),
-        ],
-        autograph=False,
-    )
+    @tf.function(input_signature=_input_specs(signature_table.TRANSLATE_WITH_OPTIONS), autograph=False)
     def translate_with_options(self, text, beam_size, alpha, max_length, min_length):
         """Translates with a beam size, length penalty and length limits chosen per call.
 
+        The inputs, outputs and the unset rule are `keras_transformer.signatures.TRANSLATE_WITH_OPTIONS`'.
         The beam size is a tensor here, so the beams' shapes are dynamic: this runs
         as well as `translate`, but cannot be compiled with XLA.
 
@@ -224,8 +213,9 @@ class Translator(tf.Module):
                 InvalidArgumentError); 0 or less for `translate`'s own. Also the number
                 of hypotheses returned per sentence.
             alpha: float32 scalar, the length penalty; negative for `translate`'s own.
-            max_length: int32 scalar, most output tokens (EOS included) on top of the
-                source length + `max_extra_length` limit; 0 or less for no extra cap.
+            max_length: int32 scalar, the output cap (`beam_search`'s
+                `max_output_length`: most output tokens, EOS included, on top of the
+                source length + `max_extra_length` limit); 0 or less for no extra cap.
             min_length: int32 scalar, tokens generated before EOS at the least (0 lets
                 a translation be ""); negative for `translate`'s own.
 
@@ -236,39 +226,36 @@ class Translator(tf.Module):
             n-best list, best first; a slot without a hypothesis holds "" and
             `decoding.NEG_INF`).
         """
-        # Unset (0, negative) means `translate`'s settings: a client of an exported model
-        # has no other way to ask for them, as they are not in the signature.
-        beam_size = tf.where(beam_size > 0, beam_size, self.beam_size)
+        # Unset means `translate`'s settings: a client of an exported model has no other
+        # way to ask for them, as they are not in the signature.
+        beam_size = _own_if_unset(signature_table.BEAM_SIZE, beam_size, self.decoding.beam_size)
         # Refused, not clipped: a client asking for 17 hypotheses must not get 16 unawares.
         beam_size_allowed = tf.debugging.assert_less_equal(
             beam_size, MAX_BEAM_SIZE, message=f"beam_size is at most {MAX_BEAM_SIZE}"
         )
         with tf.control_dependencies([beam_size_allowed]):  # Before any decoding.
             beam_size = tf.identity(beam_size)
-        alpha = tf.where(alpha >= 0.0, alpha, self.alpha)
-        max_length = tf.where(max_length > 0, max_length, tf.int32.max)
-        min_length = tf.where(min_length >= 0, min_length, self.min_length)
+        alpha = _own_if_unset(signature_table.ALPHA, alpha, self.decoding.alpha)
+        max_length = _own_if_unset(signature_table.MAX_LENGTH, max_length, tf.int32.max)
+        min_length = _own_if_unset(signature_table.MIN_LENGTH, min_length, self.decoding.min_length)
         source_ids, blank = self._source_ids(text)
-        hypotheses = decoding.beam_search(
+        hypotheses = beam_search(
             self.model,
             source_ids,
+            self.decoding,
             beam_size=beam_size,
             alpha=alpha,
-            max_extra_length=self.max_extra_length,
-            max_length=max_length,
+            min_length=min_length,
+            max_output_length=max_length,
             n_best=beam_size,
             output_kernel=self._output_kernel,
-            early_stopping=self.early_stopping,
-            min_length=min_length,
         )
         tokens = hypotheses.tokens
         flat_tokens = tf.reshape(tokens, [-1, tf.shape(tokens)[-1]])
         translations = tf.reshape(self._detokenize(flat_tokens), tf.shape(tokens)[:2])
         only_first = tf.equal(tf.range(beam_size), 0)[None, :]
         translations = tf.where(blank[:, None], "", translations)
-        scores = tf.where(
-            blank[:, None], tf.where(only_first, 0.0, decoding.NEG_INF), hypotheses.scores
-        )
+        scores = tf.where(blank[:, None], tf.where(only_first, 0.0, NEG_INF), hypotheses.scores)
         return {
             "translation": translations[:, 0],
             "score": scores[:, 0],
@@ -278,20 +265,11 @@ class Translator(tf.Module):
 
     def _search(self, source_ids):
         """`translate`'s beam search: the best `Hypotheses` of int32 `source_ids`."""
-        return decoding.beam_search(
-            self.model,
-            source_ids,
-            beam_size=self.beam_size,
-            alpha=self.alpha,
-            max_extra_length=self.max_extra_length,
-            output_kernel=self._output_kernel,
-            early_stopping=self.early_stopping,
-            min_length=self.min_length,
-        )
+        return beam_search(self.model, source_ids, self.decoding, output_kernel=self._output_kernel)
 
     def _source_ids(self, text):
         """EOS-terminated, padded source ids `[batch, length]`, and which rows are blank."""
-        tokens = self.tokenizer.tokenize(text)[:, : self.max_input_length - 1]
+        tokens = self.tokenizer.tokenize(text)[:, : self.max_source_length - 1]
         eos = tf.fill([tokens.nrows(), 1], tf.constant(EOS_ID, tokens.dtype))
         source_ids = tf.concat([tokens, eos], axis=1).to_tensor(default_value=PAD_ID)
         source_ids = tf.cast(source_ids, tf.int32)
@@ -303,14 +281,19 @@ class Translator(tf.Module):
         return tf.strings.unicode_transcode(text, "UTF-8", "UTF-8", errors="replace")
 
 
-def xla_buckets(max_input_length):
-    """Source lengths the XLA search is compiled for: 16, 32, 64, ... and `max_input_length`."""
+def _own_if_unset(option, value, own):
+    """`value`, or the translator's `own` setting where `value` is unset (see `keras_transformer.signatures`)."""
+    return tf.where(option.is_set(value), value, own)
+
+
+def xla_buckets(max_source_length):
+    """Source lengths the XLA search is compiled for: 16, 32, 64, ... and `max_source_length`."""
     buckets = []
     length = MIN_XLA_BUCKET
-    while length < max_input_length:
+    while length < max_source_length:
         buckets.append(length)
         length *= 2
-    return buckets + [max_input_length]
+    return buckets + [max_source_length]
 
 
 def pad_to_bucket(source_ids, buckets):

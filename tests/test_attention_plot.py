@@ -8,9 +8,9 @@ import pytest
 import tensorflow as tf
 
 from keras_transformer import attention_plot, data, evaluation, run_dir
-from keras_transformer.decoding import beam_search
+from keras_transformer.decoding import DecodingSettings, beam_search
 from keras_transformer.translator import Translator
-from repo_scripts import load_translate_cli  # noqa: E402
+from cli_modules import load_translate_cli  # noqa: E402
 
 SOURCE_PIECES = ["▁A", "▁dog", "▁run", "s", "▁on", "▁the", "▁grass", ".", "</s>"]
 OUTPUT_PIECES = ["▁Ein", "▁Hund", "▁läuft", "▁auf", "▁dem", "▁Gras", ".", "</s>"]
@@ -96,7 +96,7 @@ def test_translation_attention_pairs_each_row_with_its_pieces(run_model, validat
     model, tokenizer = run_model
     sources = [source for source, _ in validation_pairs]
     source_ids = next(iter(data.make_translation_dataset(sources, tokenizer)))  # Padded to the longer one.
-    output_ids = beam_search(model, source_ids, beam_size=2).tokens
+    output_ids = beam_search(model, source_ids, DecodingSettings(beam_size=2)).tokens
 
     examples = evaluation.translation_attention(model, tokenizer, source_ids, output_ids)
 

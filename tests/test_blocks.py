@@ -322,7 +322,7 @@ def test_cached_decoding_hides_the_source_padding_that_the_encoder_outputs_keras
     explicit = np.asarray(decoder(target, np.asarray(memory), encoder_padding_mask=source != 0))
     np.testing.assert_allclose(decoder(target, memory), explicit, atol=1e-5)
 
-    cache = decoder.init_cache(memory, max_length=4)
+    cache = decoder.init_cache(memory, max_decode_length=4)
     steps = []
     for i in range(4):
         output, cache = decoder(target[:, i : i + 1], cache=cache, cache_index=i)

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from keras_transformer import run_dir
 from keras_transformer.model import Transformer
-from repo_scripts import load_translate_cli  # noqa: E402
+from cli_modules import load_translate_cli  # noqa: E402
 
 
 @pytest.fixture
@@ -235,3 +235,77 @@ def test_translate_draws_attention_for_one_sentence_argument_of_a_run(capsys, fl
         load_translate_cli().parse_args(["--attention", "a.png", *flags])
     assert raised.value.code == 2
     assert "--attention goes with --run-dir and one sentence given as an argument" in capsys.readouterr().err
+
+
+def _fresh(module_name):
+    """A fresh copy of a command's module: its name in messages (`PROG`) is read from sys.argv on import."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"fresh_{module_name}", importlib.util.find_spec(module_name).origin)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_installed_commands_read_sys_argv_and_go_by_their_own_names(tmp_path, capsys, monkeypatch):
+    """`kt-translate` and `kt-export` call `main()` without arguments."""
+    monkeypatch.setattr("sys.argv", ["/venv/bin/kt-translate", "--saved-model", str(tmp_path / "nowhere"), "A dog."])
+    exit_code = _fresh("keras_transformer.cli.translate").main()
+    assert exit_code == 2 and capsys.readouterr().err.startswith("kt-translate: error: ")
+
+    monkeypatch.setattr("sys.argv", ["/venv/bin/kt-export", "--run-dir", "r", "--out", "o", "--min-length", "-1"])
+    with pytest.raises(SystemExit) as raised:
+        _fresh("keras_transformer.cli.export").main()
+    assert raised.value.code == 2
+    assert capsys.readouterr().err.startswith("usage: kt-export ")
+
+
+def test_export_cuts_sources_at_max_source_length_and_still_takes_the_old_flag(capsys):
+    from keras_transformer.cli import export
+    from keras_transformer.translator import DEFAULT_MAX_SOURCE_LENGTH
+
+    required = ["--run-dir", "r", "--out", "o"]
+    assert export.parse_args(required).max_source_length == DEFAULT_MAX_SOURCE_LENGTH
+    assert export.parse_args([*required, "--max-source-length", "32"]).max_source_length == 32
+    assert export.parse_args([*required, "--max-input-length", "64"]).max_source_length == 64  # old commands
+    with pytest.raises(SystemExit):
+        export.parse_args(["--help"])
+    usage = capsys.readouterr().out
+    assert usage.startswith("usage: python -m export ") and "--max-source-length" in usage
+    assert "--max-input-length" not in usage
+
+
+def test_export_decodes_with_the_runs_settings_and_the_flags_given(run):
+    from keras_transformer.cli import export
+    from keras_transformer.decoding import DecodingSettings
+
+    config = run_dir.read_config(run)
+    config["train"] = {"beam_size": 2, "alpha": 1.0}
+    run_dir.write_config(run, config)
+    required = ["--run-dir", str(run), "--out", "o"]
+    assert export.decoding_settings(export.parse_args(required)) == DecodingSettings(beam_size=2, alpha=1.0)
+    flags = ["--alpha", "0.2", "--max-extra-length", "10", "--min-length", "0", "--early-stopping", "current_length"]
+    assert export.decoding_settings(export.parse_args([*required, *flags])) == DecodingSettings(
+        beam_size=2, alpha=0.2, max_extra_length=10, min_length=0, early_stopping="current_length"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command, usage",
+    [
+        (["-m", "export", "--help"], "usage: python -m export "),
+        (["-m", "export.client", "--help"], "usage: python -m export.client "),
+        (["translate.py", "--help"], "usage: translate.py "),
+    ],
+)
+def test_the_repositorys_commands_still_run_from_its_root(command, usage):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(usage)

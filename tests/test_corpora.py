@@ -246,12 +246,46 @@ def test_the_direction_is_checked_without_loading():
     assert corpora.check_direction("multi30k", "de", "en") == ("de", "en")
     with pytest.raises(ValueError, match="translates between 'en' and 'de'"):
         corpora.check_direction("multi30k", "fr")
+    assert corpora.check_direction("files", "fr", "en") == ("fr", "en")
+    with pytest.raises(ValueError, match="needs source_lang and target_lang"):
+        corpora.check_direction("files", "fr")
+
+
+def test_the_files_corpus_is_a_corpus_of_the_registry(tmp_path):
+    """load_corpus("files") reads DIR/{train,val,test}.LANG, as read_parallel_files reads each pair of files."""
+    for stem, (english, german) in _TINY_MULTI30K.items():
+        stem = "test" if stem.startswith("test") else stem
+        (tmp_path / f"{stem}.en").write_text("".join(line + "\n" for line in english))
+        (tmp_path / f"{stem}.de").write_text("".join(line + "\n" for line in german))
+    corpus = load_corpus("files", tmp_path, source_lang="de", target_lang="en")
+    assert (corpus.name, corpus.source_lang, corpus.target_lang) == ("files", "de", "en")
+    assert corpus.train == read_parallel_files(tmp_path / "train.de", tmp_path / "train.en")
+    assert corpus.validation == [("Ein Vogel.", "A bird.")] and corpus.test == [("Ein Pferd.", "A horse.")]
+    (tmp_path / "val.en").unlink()
+    with pytest.raises(DatasetUnavailableError, match="has val.de but not val.en"):
+        load_corpus("files", tmp_path, source_lang="de", target_lang="en")
+    with pytest.raises(ValueError, match="needs data_dir"):
+        load_corpus("files", source_lang="de", target_lang="en")
+
+
+def test_train_py_takes_its_corpora_and_their_defaults_from_the_registry():
+    from keras_transformer.cli import train as train_cli
+    from keras_transformer.run_settings import layered
+
+    parser = train_cli.build_parser()
+    (dataset,) = [action for action in parser._actions if action.dest == "dataset"]
+    assert tuple(dataset.choices) == tuple(corpora.CORPORA)
+    help_text = " ".join(parser.format_help().split())
+    for entry in corpora.CORPORA.values():
+        assert f"{entry.name} ({entry.summary})" in help_text
+        settings = layered({"dataset": entry.name})
+        assert (settings.vocab_size, settings.max_length) == (entry.vocab_size, entry.max_length)
 
 
 _READ_TFDS_TRAIN = """
 import hashlib, sys
-from keras_transformer import corpora
-corpora.WMT14_TFDS_NAME = "tiny_pairs/en_de"  # A local stand-in, sharded as TFDS shards WMT14.
+from keras_transformer import corpora, tfds_corpora
+tfds_corpora.WMT14_TFDS_NAME = "tiny_pairs/en_de"  # A local stand-in, sharded as TFDS shards WMT14.
 corpus = corpora.load_corpus("wmt14", sys.argv[1], download=False, seed=5)
 epochs = [b"|".join(source for source, _ in corpus.train.as_numpy_iterator()) for _ in range(2)]
 print(hashlib.sha256(epochs[0]).hexdigest(), hashlib.sha256(epochs[1]).hexdigest(), len(epochs[0].split(b"|")))
@@ -303,7 +337,7 @@ def test_a_tfds_download_is_announced_before_it_starts(tmp_path, monkeypatch, ca
     builder = _UnpreparedBuilder([f"http://127.0.0.1:{server.server_port}/training-parallel.tgz"])
     monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: builder)
     try:
-        with caplog.at_level("INFO", logger="keras_transformer.corpora"), pytest.raises(
+        with caplog.at_level("INFO", logger="keras_transformer.tfds_corpora"), pytest.raises(
             DatasetUnavailableError, match="the download itself failed"
         ):
             load_corpus("wmt14", tmp_path)
@@ -325,7 +359,7 @@ def test_an_unreachable_tfds_download_host_fails_at_once(tmp_path, monkeypatch, 
     monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: builder)
     start = time.monotonic()
 
-    with caplog.at_level("INFO", logger="keras_transformer.corpora"), pytest.raises(
+    with caplog.at_level("INFO", logger="keras_transformer.tfds_corpora"), pytest.raises(
         DatasetUnavailableError, match=f"needs 127.0.0.1:{port}, which cannot be reached"
     ) as raised:
         load_corpus("ted_pt_en", tmp_path)

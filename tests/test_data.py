@@ -195,7 +195,7 @@ def test_translation_batches_keep_order_and_round_trip(multi30k_dir, multi30k_to
 def test_translation_batches_truncate_long_sources(multi30k_tokenizer):
     sources = ["A very long sentence " * 20, "Short."]
 
-    (batch,) = make_translation_dataset(sources, multi30k_tokenizer, max_length=10)
+    (batch,) = make_translation_dataset(sources, multi30k_tokenizer, max_source_length=10)
 
     assert batch.shape[0] == 2 and batch.shape[1] == 10
     assert batch.numpy()[0, -1] == EOS_ID
@@ -205,5 +205,5 @@ def test_translation_batches_truncate_long_sources(multi30k_tokenizer):
 def test_a_max_length_without_room_for_a_token_and_eos_is_rejected(multi30k_tokenizer, max_length):
     with pytest.raises(ValueError, match="max_length must leave room for a token and EOS"):
         make_training_dataset([("a", "b")], multi30k_tokenizer, max_length=max_length)
-    with pytest.raises(ValueError, match="max_length must leave room for a token and EOS"):
-        make_translation_dataset(["a b c"], multi30k_tokenizer, max_length=max_length)
+    with pytest.raises(ValueError, match="max_source_length must leave room for a token and EOS"):
+        make_translation_dataset(["a b c"], multi30k_tokenizer, max_source_length=max_length)

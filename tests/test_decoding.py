@@ -9,6 +9,7 @@ exact, and with small beams it is not (checked, so the comparison is not vacuous
 The `Transformer` wrapper is tested on a tiny model trained on Multi30k.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -324,6 +325,8 @@ def test_a_cache_that_does_not_grow_is_too_short_for_the_history_scorer():
             {"history": tf.zeros([1, 1], tf.int32), "row": tf.range(1)},
             MAX_STEPS,
             eos_id=EOS,
+            beam_size=4,
+            alpha=0.6,
             **growth,
         )
 
@@ -518,9 +521,16 @@ def source_ids(tiny_translation_run, multi30k_dir):
     ).numpy()
 
 
+# The fields of `DecodingSettings`: `decode` passes Python values of them in one.
+SETTINGS = {field.name for field in dataclasses.fields(decoding.DecodingSettings)}
+
+
 def decode(model, source_ids, **options):
-    """`decoding.beam_search` with numpy results."""
-    return tf.nest.map_structure(np.asarray, decoding.beam_search(model, source_ids, **options))
+    """`decoding.beam_search` with numpy results; Python values of decoding settings go in a `DecodingSettings`."""
+    python_values = [name for name in options if name in SETTINGS and not tf.is_tensor(options[name])]
+    settings = {name: options.pop(name) for name in python_values}
+    hypotheses = decoding.beam_search(model, source_ids, decoding.DecodingSettings(**settings), **options)
+    return tf.nest.map_structure(np.asarray, hypotheses)
 
 
 def source_lengths(source_ids):
@@ -613,7 +623,7 @@ def test_padding_and_other_rows_do_not_change_a_translation(trained_model, sourc
 def test_long_outputs_cross_the_growing_cache_segments_unchanged(trained_model, source_ids):
     # 40 tokens (an id never generated as EOS): the self-attention buffers grow
     # 16 -> 32 -> 40 positions in the cached search; the uncached one has no buffer.
-    options = dict(beam_size=4, n_best=4, max_length=40, eos_id=-1)
+    options = dict(beam_size=4, n_best=4, max_output_length=40, eos_id=-1)
     uncached = decode(trained_model, source_ids[:3], use_cache=False, **options)
     np.testing.assert_array_equal(uncached.lengths, 40)
     for jit_compile in (False, True):
@@ -711,18 +721,18 @@ def test_padding_and_the_start_token_are_never_generated():
 
 
 def test_eager_tensor_options_act_as_their_values(trained_model, source_ids):
-    expected = decode(trained_model, source_ids[:2], beam_size=2, max_length=5)
-    found = decode(trained_model, source_ids[:2], beam_size=tf.constant(2), max_length=tf.constant(5))
+    expected = decode(trained_model, source_ids[:2], beam_size=2, max_output_length=5)
+    found = decode(trained_model, source_ids[:2], beam_size=tf.constant(2), max_output_length=tf.constant(5))
     for name in ("tokens", "lengths", "scores"):
         np.testing.assert_array_equal(getattr(found, name), getattr(expected, name))
-    with pytest.raises(ValueError, match="max_length must be a scalar"):
-        decoding.beam_search(trained_model, source_ids[:2], max_length=tf.constant([5, 6]))
+    with pytest.raises(ValueError, match="max_output_length must be a scalar"):
+        decoding.beam_search(trained_model, source_ids[:2], max_output_length=tf.constant([5, 6]))
 
 
 def test_learned_positions_cap_the_output_length():
     from keras_transformer import Transformer
 
-    model = Transformer.from_preset("tiny", vocab_size=30, learned_positions=True, max_length=12)
+    model = Transformer.from_preset("tiny", vocab_size=30, learned_positions=True, max_positions=12)
     model.build()
     source = np.full((2, 10), 5, "int32")
     source[:, -1] = EOS_ID
@@ -735,7 +745,7 @@ def test_a_source_longer_than_learned_positions_is_an_error_not_a_silent_clamp(j
     """Under XLA the encoder's position lookup would read the last row for every later position."""
     from keras_transformer import Transformer
 
-    model = Transformer.from_preset("tiny", vocab_size=30, learned_positions=True, max_length=8)
+    model = Transformer.from_preset("tiny", vocab_size=30, learned_positions=True, max_positions=8)
     model.build()
     source = np.full((1, 12), 5, "int32")
     source[:, -1] = EOS_ID
@@ -743,3 +753,55 @@ def test_a_source_longer_than_learned_positions_is_an_error_not_a_silent_clamp(j
     with pytest.raises(ValueError, match="12 tokens long, but the model's learned positional encodings cover 8"):
         decoding.beam_search(model, source, jit_compile=jit_compile)
     assert decoding.beam_search(model, source[:, 4:], jit_compile=jit_compile).tokens.shape[0] == 1
+
+
+# ---------------------------------------------------------------------------
+# DecodingSettings: how decoding settings travel
+# ---------------------------------------------------------------------------
+
+
+def test_decoding_settings_default_to_the_papers_and_check_every_field():
+    settings = decoding.DecodingSettings()
+    assert dataclasses.astuple(settings) == (4, 0.6, 50, 1, "exact")
+    for changes, message in (
+        (dict(beam_size=0), "beam_size must be between 1 and 16, got 0"),
+        (dict(beam_size=17), "beam_size must be between 1 and 16, got 17"),
+        (dict(alpha=-0.5), "alpha must be 0 or more, got -0.5"),
+        (dict(max_extra_length=-1), "max_extra_length must be 0 or more, got -1"),
+        (dict(min_length=-1), "min_length must be 0 or more, got -1"),
+        (dict(early_stopping="never"), "early_stopping must be one of"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            settings.replace(**changes)
+    # Unset flags (None) keep the settings they would replace.
+    assert settings.replace(beam_size=None, alpha=1.0) == decoding.DecodingSettings(alpha=1.0)
+
+
+def test_beam_search_takes_one_settings_object_and_tensor_overrides_of_it(trained_model, source_ids):
+    greedy = decode(trained_model, source_ids[:3], beam_size=1, n_best=1)
+    for beam_size in (1, tf.constant(1)):
+        overridden = decoding.beam_search(
+            trained_model, source_ids[:3], decoding.DecodingSettings(beam_size=3), beam_size=beam_size, n_best=1
+        )
+        np.testing.assert_array_equal(overridden.tokens, greedy.tokens)
+    with pytest.raises(TypeError, match="decoding must be a DecodingSettings"):
+        decoding.beam_search(trained_model, source_ids[:1], 4)
+    with pytest.raises(ValueError, match="beam_size must be between 1 and 16, got 17"):
+        decoding.beam_search(trained_model, source_ids[:1], beam_size=17)
+
+
+def test_decoding_reexports_its_settings_and_search_core_and_the_settings_need_no_tensorflow():
+    import subprocess
+    import sys
+
+    from keras_transformer import decoding_settings, search_core
+
+    assert decoding.DecodingSettings is decoding_settings.DecodingSettings
+    assert decoding.MAX_BEAM_SIZE == decoding_settings.MAX_BEAM_SIZE == 16
+    assert decoding.search is search_core.search and decoding.Hypotheses is search_core.Hypotheses
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, keras_transformer.decoding_settings; print(*sys.modules)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()
+    assert "keras_transformer.decoding_settings" in loaded
+    assert not [name for name in loaded if name.split(".")[0] in ("tensorflow", "keras", "numpy")]

@@ -12,19 +12,12 @@ import pytest
 import sacrebleu
 import tensorflow as tf
 
-from keras_transformer import distribution, evaluation, run_dir
+from fake_runs import PAIRS, REFERENCES, checkpointed_run, fake_translations, validation_corpus
+from keras_transformer import distribution, evaluation, run_dir, run_settings, training_run
+from keras_transformer.decoding_settings import DecodingSettings
 from keras_transformer.model import Transformer
 from keras_transformer.trainer import Trainer, TrainingConfig
-from repo_scripts import import_train_script as _import_train_script  # noqa: E402
 
-
-PAIRS = [
-    ("A man in a red house.", "Ein Mann in einem roten Haus."),
-    ("A dog runs on the grass.", "Ein Hund rennt auf dem Gras."),
-    ("Two men play in the street.", "Zwei Männer spielen auf der Straße."),
-    ("A girl jumps into the lake.", "Ein Mädchen springt in den See."),
-]
-REFERENCES = [target for _, target in PAIRS]
 # Some right, some cased or inflected differently, one missing: neither score is 0 or 100.
 HYPOTHESES = [
     "Ein Mann in einem roten Haus.",
@@ -96,7 +89,8 @@ def test_validation_logs_and_writes_chrf_next_to_bleu(tmp_path, multi30k_tokeniz
     _translations_for_the_references(monkeypatch)
     caplog.set_level(logging.INFO, logger="keras_transformer")
     validator = evaluation.Validator(
-        PAIRS, multi30k_tokenizer, bleu_sentences=len(PAIRS), beam_size=1, attention_examples=0, target_lang="de"
+        PAIRS, multi30k_tokenizer, bleu_sentences=len(PAIRS), decoding=DecodingSettings(beam_size=1),
+        attention_examples=0, target_lang="de",
     )
     trainer = Trainer(
         distribution.make_strategy(["CPU:0"]),
@@ -128,11 +122,13 @@ def test_the_test_set_line_and_scalars_hold_bleu_and_chrf(tmp_path, monkeypatch,
     monkeypatch.setattr(run_dir, "checkpoint_path", lambda run, which: str(run / "checkpoints" / "ckpt-7"))
     monkeypatch.setattr(run_dir, "load_model", lambda run, which: None)
     monkeypatch.setattr(run_dir, "load_tokenizer", lambda run: None)
-    caplog.set_level(logging.INFO, logger="train")
-    corpus = type("Corpus", (), {"test": PAIRS, "validation": PAIRS, "target_lang": "de"})()
-    settings = {"average_last": 0, "bleu_sentences": 4, "beam_size": 1, "alpha": 0.6, "max_length": 16}
+    caplog.set_level(logging.INFO, logger="keras_transformer")
+    corpus = validation_corpus(test=PAIRS)
+    settings = run_settings.layered(
+        {"preset": "tiny", "average_last": 0, "bleu_sentences": 4, "beam_size": 1, "alpha": 0.6, "max_length": 16}
+    )
 
-    _import_train_script().final_evaluation(tmp_path, corpus, settings)
+    training_run.final_evaluation(tmp_path, corpus, settings)
 
     expected = evaluation.corpus_scores(HYPOTHESES, REFERENCES, "de")
     (line,) = [record.getMessage() for record in caplog.records if record.getMessage().startswith("Test ")]
@@ -162,23 +158,14 @@ def test_bleu_decides_whether_the_average_is_kept_and_chrf_is_logged_next_to_it(
     tmp_path, monkeypatch, caplog, bleu_better
 ):
     """Of two checkpoints, one better in BLEU and the other in chrF, the average is kept when it is BLEU's."""
-    model = Transformer.from_preset("tiny", vocab_size=50)
-    model.build()
-    run_dir.write_config(tmp_path, {"model": run_dir.model_config(model)})
-    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(tmp_path / "checkpoints"), 3)
-    for step in (10, 20):
-        manager.save(checkpoint_number=step)
-    monkeypatch.setattr(run_dir, "load_model", lambda run, which: which)
-    monkeypatch.setattr(run_dir, "load_tokenizer", lambda run: None)
-    monkeypatch.setattr(
-        evaluation, "translate",
-        lambda model, tokenizer, sources, **kwargs: BLEU_BETTER if model == bleu_better else CHRF_BETTER,
+    checkpointed_run(tmp_path, (10, 20))
+    fake_translations(monkeypatch, winner=bleu_better, wins=BLEU_BETTER, loses=CHRF_BETTER)
+    caplog.set_level(logging.INFO, logger="keras_transformer")
+    settings = run_settings.layered(
+        {"preset": "tiny", "average_last": 2, "bleu_sentences": 4, "beam_size": 1, "alpha": 0.6, "max_length": 16}
     )
-    caplog.set_level(logging.INFO, logger="train")
-    corpus = type("Corpus", (), {"validation": PAIRS, "target_lang": "de"})()
-    settings = {"average_last": 2, "bleu_sentences": 4, "beam_size": 1, "alpha": 0.6, "max_length": 16}
 
-    _import_train_script().average_if_better(tmp_path, corpus, settings)
+    training_run.average_if_better(tmp_path, validation_corpus(), settings)
 
     assert (tmp_path / run_dir.AVERAGED_DIR).exists() == (bleu_better == "averaged")
     by_bleu, by_chrf = (evaluation.corpus_scores(h, REFERENCES, "de") for h in (BLEU_BETTER, CHRF_BETTER))

@@ -22,10 +22,11 @@ import pytest
 import tensorflow as tf
 import tensorflow_text  # noqa: F401
 
-from export import client, saved_model
-from keras_transformer import decoding, run_dir
+from keras_transformer import decoding, run_dir, saved_model, serving_client, signatures
+from keras_transformer.cli import client as client_cli
+from keras_transformer.decoding import DecodingSettings
 from keras_transformer.translator import Translator
-from repo_scripts import load_translate_cli  # noqa: E402
+from cli_modules import load_translate_cli  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -175,6 +176,49 @@ def test_saved_model_cli_lists_the_signatures(exported):
             "translations": ("DT_STRING", "(-1, -1)"),
             "scores": ("DT_FLOAT", "(-1, -1)"),
         },
+    }
+
+
+def test_the_signature_table_is_what_the_export_has_and_its_self_check_holds_it_to_it(served):
+    for name, signature in signatures.SIGNATURES.items():
+        function = served[name]
+        inputs = function.structured_input_signature[1]
+        assert set(inputs) == set(signature.input_dtypes())
+        for tensor in signature.inputs:
+            assert (inputs[tensor.name].dtype.name, tuple(inputs[tensor.name].shape.as_list())) == (
+                tensor.dtype, tensor.shape
+            )
+        assert signature.output_dtypes() == {key: spec.dtype.name for key, spec in function.structured_outputs.items()}
+    assert signatures.SERVING_DEFAULT.batched and not signatures.TRANSLATE_WITH_OPTIONS.batched
+
+    class Loaded:
+        pass
+
+    Loaded.signatures = dict(served)
+    assert "have the expected inputs and outputs" in saved_model._check_signatures(Loaded)
+    options = served["translate_with_options"]
+    renamed = {("max_output_length" if key == "max_length" else key): spec
+               for key, spec in options.structured_input_signature[1].items()}
+    Loaded.signatures["translate_with_options"] = type(
+        "Renamed", (), {"structured_input_signature": ((), renamed), "structured_outputs": options.structured_outputs}
+    )
+    with pytest.raises(saved_model.ExportError, match="Signature translate_with_options is .*max_output_length"):
+        saved_model._check_signatures(Loaded)
+
+
+def test_the_unset_options_and_request_formats_come_from_the_signature_table():
+    assert signatures.options_request() == {"beam_size": 0, "alpha": -1.0, "max_length": 0, "min_length": -1}
+    assert signatures.options_request(beam_size=2, min_length=None) == {
+        "beam_size": 2, "alpha": -1.0, "max_length": 0, "min_length": -1
+    }
+    with pytest.raises(TypeError, match="no option max_output_length"):
+        signatures.options_request(max_output_length=3)
+    for option in signatures.TRANSLATE_WITH_OPTIONS.options:
+        assert not option.is_set(option.unset) and option.is_set(option.smallest)
+    assert serving_client.rest_payload(["A dog."]) == {"signature_name": "serving_default", "instances": ["A dog."]}
+    assert serving_client.rest_payload(["A dog."], signatures.options_request(beam_size=2)) == {
+        "signature_name": "translate_with_options",
+        "inputs": {"text": ["A dog."], "beam_size": 2, "alpha": -1.0, "max_length": 0, "min_length": -1},
     }
 
 
@@ -361,10 +405,10 @@ def test_an_xla_export_translates_like_the_graph_translator(
 
 def test_long_inputs_are_translated_from_their_first_tokens(served, tiny_translation_run):
     from keras_transformer.tokenizer import SubwordTokenizer
-    from keras_transformer.translator import DEFAULT_MAX_INPUT_LENGTH
+    from keras_transformer.translator import DEFAULT_MAX_SOURCE_LENGTH
 
     tokenizer = SubwordTokenizer.load(run_dir.tokenizer_path(tiny_translation_run))
-    kept = tokenizer.tokenize([LONG_TEXT])[:, : DEFAULT_MAX_INPUT_LENGTH - 1]
+    kept = tokenizer.tokenize([LONG_TEXT])[:, : DEFAULT_MAX_SOURCE_LENGTH - 1]
     truncated_text = tokenizer.detokenize(kept).numpy()[0]
     assert len(truncated_text) < len(LONG_TEXT)
     signature = served["serving_default"]
@@ -394,7 +438,7 @@ def test_a_beam_over_the_limit_is_refused_and_other_options_out_of_range_are_uns
 @pytest.fixture(scope="module")
 def served_beam_2(tiny_translation_run, tmp_path_factory):
     """`(version directory, module, signatures)` of an export by `python -m export` with beam 2,
-    alpha 1.0 and the "current_length" early stop."""
+    alpha 1.0 and the "current_length" early stop (the repository's `python -m export` calls the same `main`)."""
     from export.__main__ import main
 
     base = tmp_path_factory.mktemp("models") / MODEL_NAME
@@ -415,7 +459,9 @@ def test_the_exports_early_stop_is_saved_and_searches_both_signatures(
     rules = []
     search = decoding.search
     monkeypatch.setattr(decoding, "search", lambda *a, **k: rules.append(k["early_stopping"]) or search(*a, **k))
-    translator = Translator.from_run_dir(tiny_translation_run, beam_size=2, alpha=1.0, early_stopping="current_length")
+    translator = Translator.from_run_dir(
+        tiny_translation_run, decoding=DecodingSettings(beam_size=2, alpha=1.0, early_stopping="current_length")
+    )
     expected = translate(translator.translate, sentences[:6])
     translate(translator.translate_with_options, sentences[:1], beam_size=0, alpha=-1.0, max_length=0)
     assert rules == ["current_length", "current_length"]
@@ -432,7 +478,9 @@ def test_the_exports_early_stop_is_saved_and_searches_both_signatures(
 
 def test_an_unknown_early_stop_is_refused(tiny_translation_run):
     with pytest.raises(ValueError, match="early_stopping must be one of"):
-        Translator.from_run_dir(tiny_translation_run, early_stopping="never")
+        Translator.from_run_dir(tiny_translation_run, decoding=run_dir.decoding_settings(tiny_translation_run).replace(
+            early_stopping="never"
+        ))
 
 
 def test_unset_options_are_the_exports_own_beam_size_and_length_penalty(served_beam_2, sentences, capsys):
@@ -529,22 +577,22 @@ def rest_server(served):
 
 def test_rest_client_row_and_columnar_requests(rest_server, translator, sentences):
     expected = translate(translator.translate, sentences[:3])
-    results = client.translate_rest(rest_server, MODEL_NAME, sentences[:3])
+    results = serving_client.translate_rest(rest_server, MODEL_NAME, sentences[:3])
     assert [r["translation"] for r in results] == [t.decode() for t in expected["translation"]]
     np.testing.assert_allclose([r["score"] for r in results], expected["score"], rtol=1e-5)
 
     options = {"beam_size": 3, "alpha": 0.6, "max_length": 0, "min_length": -1}
-    results = client.translate_rest(rest_server, MODEL_NAME, sentences[:3], options=options)
+    results = serving_client.translate_rest(rest_server, MODEL_NAME, sentences[:3], options=options)
     assert [len(r["translations"]) for r in results] == [3, 3, 3]
     assert [r["translations"][0] for r in results] == [r["translation"] for r in results]
 
-    with pytest.raises(client.ServingError, match="404"):
-        client.translate_rest(rest_server, "no_such_model", sentences[:1])
+    with pytest.raises(serving_client.ServingError, match="404"):
+        serving_client.translate_rest(rest_server, "no_such_model", sentences[:1])
 
 
 def test_client_cli_prints_translations(rest_server, translator, sentences, capsys):
     assert (
-        client.main(["--rest", rest_server, "--model", MODEL_NAME, sentences[0], sentences[1]]) == 0
+        client_cli.main(["--rest", rest_server, "--model", MODEL_NAME, sentences[0], sentences[1]]) == 0
     )
     expected = translate(translator.translate, sentences[:2])["translation"]
     assert capsys.readouterr().out.splitlines() == [t.decode() for t in expected]
@@ -556,15 +604,15 @@ def test_client_cli_sends_batches_of_clean_stdin_lines(rest_server, translator, 
     stdin = io.BytesIO(b"\xef\xbb\xbf" + b"".join(line + b"\r\n" for line in raw_lines))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(stdin))
     requests = []
-    real_translate_rest = client.translate_rest
+    real_translate_rest = serving_client.translate_rest
 
     def spy(server, model, batch, **kwargs):
         requests.append(list(batch))
         return real_translate_rest(server, model, batch, **kwargs)
 
-    monkeypatch.setattr(client, "translate_rest", spy)
+    monkeypatch.setattr(serving_client, "translate_rest", spy)
 
-    assert client.main(["--rest", rest_server, "--model", MODEL_NAME, "--batch-size", "2"]) == 0
+    assert client_cli.main(["--rest", rest_server, "--model", MODEL_NAME, "--batch-size", "2"]) == 0
 
     expected_texts = [*sentences[:4], "bad \ufffd"]
     assert requests == [expected_texts[:2], expected_texts[2:4], expected_texts[4:]]
@@ -572,14 +620,26 @@ def test_client_cli_sends_batches_of_clean_stdin_lines(rest_server, translator, 
     assert capsys.readouterr().out.splitlines() == [t.decode() for t in expected]
 
 
+# What the REST client (and `python -m export.client`) loads of the package: no module that needs more than Python.
+STANDARD_LIBRARY_ONLY = {
+    "keras_transformer",
+    "keras_transformer.cli",
+    "keras_transformer.cli.client",
+    "keras_transformer.decoding_settings",
+    "keras_transformer.serving_client",
+    "keras_transformer.signatures",
+}
+
+
 def test_the_rest_client_imports_no_tensorflow():
     """It needs the standard library only, so it runs where tensorflow-text has no wheel."""
     loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, export.client; print(*sorted(sys.modules))"],
+        [sys.executable, "-c", "import sys, export.client, keras_transformer.serving_client; print(*sys.modules)"],
         capture_output=True, text=True, check=True, cwd=REPO,
     ).stdout.split()
     assert "export.client" in loaded
-    assert not [name for name in loaded if name.split(".")[0] in ("tensorflow", "keras", "numpy", "keras_transformer")]
+    assert not [name for name in loaded if name.split(".")[0] in ("tensorflow", "keras", "numpy")]
+    assert {name for name in loaded if name.split(".")[0] == "keras_transformer"} <= STANDARD_LIBRARY_ONLY
 
 
 def test_rest_client_gives_up_on_a_server_that_never_answers():
@@ -587,12 +647,12 @@ def test_rest_client_gives_up_on_a_server_that_never_answers():
         silent.bind(("127.0.0.1", 0))
         silent.listen(1)
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        with pytest.raises(client.ServingError, match=r"No answer from .* within 0.5 s"):
-            client.translate_rest(url, MODEL_NAME, ["A dog."], timeout=0.5)
+        with pytest.raises(serving_client.ServingError, match=r"No answer from .* within 0.5 s"):
+            serving_client.translate_rest(url, MODEL_NAME, ["A dog."], timeout=0.5)
 
 
 def test_client_cli_reports_a_beam_size_the_server_refuses(rest_server, sentences, capsys):
-    assert client.main(["--rest", rest_server, "--model", MODEL_NAME, "--beam-size", "17", sentences[0]]) == 1
+    assert client_cli.main(["--rest", rest_server, "--model", MODEL_NAME, "--beam-size", "17", sentences[0]]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("translation failed: 400 from ") and "beam_size is at most 16" in captured.err
@@ -601,7 +661,7 @@ def test_client_cli_reports_a_beam_size_the_server_refuses(rest_server, sentence
 def test_client_cli_n_best_uses_the_served_models_own_beam_size(served_beam_2, sentences, capsys):
     _, _, signatures = served_beam_2
     with serving_rest(signatures) as url:
-        assert client.main(["--rest", url, "--model", MODEL_NAME, "--n-best", sentences[0]]) == 0
+        assert client_cli.main(["--rest", url, "--model", MODEL_NAME, "--n-best", sentences[0]]) == 0
     lines = capsys.readouterr().out.splitlines()
     best = translate(signatures["serving_default"], sentences[:1])["translation"][0].decode()
     assert len(lines) == 2 and lines[0].startswith(f"0 ||| {best} ||| ")
@@ -632,10 +692,10 @@ def grpc_server(served):
 
 def test_grpc_client(grpc_server, translator, sentences):
     expected = translate(translator.translate, sentences[:3])
-    results = client.translate_grpc(grpc_server, MODEL_NAME, sentences[:3])
+    results = serving_client.translate_grpc(grpc_server, MODEL_NAME, sentences[:3])
     assert [r["translation"] for r in results] == [t.decode() for t in expected["translation"]]
     np.testing.assert_allclose([r["score"] for r in results], expected["score"], rtol=1e-5)
-    results = client.translate_grpc(
+    results = serving_client.translate_grpc(
         grpc_server,
         MODEL_NAME,
         sentences[:2],
@@ -749,7 +809,7 @@ def test_the_batching_config_is_valid_batching_parameters_that_tf_serving_accept
         assert 0 <= params.batch_timeout_micros.value <= 10_000  # TF Serving's CPU advice: 0-10 ms
         assert not params.enable_large_batch_splitting.value and not params.pad_variable_length_inputs
     # python -m export.client's default requests fit in a batch.
-    assert config.max_batch_size.value >= client.parse_args(["--rest", "http://localhost:8501"]).batch_size
+    assert config.max_batch_size.value >= client_cli.parse_args(["--rest", "http://localhost:8501"]).batch_size
     # The checks TF Serving makes when it loads a model with allowed_batch_sizes.
     sizes = list(with_sizes.allowed_batch_sizes)
     assert sizes == sorted(set(sizes)) and sizes[0] >= 1 and sizes[-1] == with_sizes.max_batch_size.value
@@ -813,8 +873,8 @@ def test_a_run_translates_with_its_own_beam_size_and_length_penalty(tiny_transla
     config["train"] = {"beam_size": 2, "alpha": 1.0}
     run_dir.write_config(run, config)
     own = Translator.from_run_dir(run)
-    assert (own.beam_size, own.alpha) == (2, 1.0)
-    given = Translator.from_run_dir(run, beam_size=3)
-    assert (given.beam_size, given.alpha) == (3, 1.0)
+    assert (own.decoding.beam_size, own.decoding.alpha) == (2, 1.0)
+    given = Translator.from_run_dir(run, decoding=run_dir.decoding_settings(run).replace(beam_size=3))
+    assert (given.decoding.beam_size, given.decoding.alpha) == (3, 1.0)
     unsaved = Translator.from_run_dir(tiny_translation_run)  # a run that saved neither
-    assert (unsaved.beam_size, unsaved.alpha) == (4, 0.6)
+    assert (unsaved.decoding.beam_size, unsaved.decoding.alpha) == (4, 0.6)

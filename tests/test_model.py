@@ -70,7 +70,7 @@ def test_incremental_decoding_gives_the_logits_of_the_full_decoder(tiny_model):
     target = random_ids((3, 7), 5)
     full = np.asarray(tiny_model((source, target)))
     encoder_outputs, source_mask = tiny_model.encode(source)
-    cache = tiny_model.init_cache(encoder_outputs, max_length=10)
+    cache = tiny_model.init_cache(encoder_outputs, max_decode_length=10)
     for i in range(7):
         logits, cache = tiny_model.decode_step(target[:, i : i + 1], cache, i, source_mask)
         np.testing.assert_allclose(logits[:, 0], full[:, i], atol=1e-4)
@@ -181,3 +181,24 @@ def test_a_decoder_stack_with_a_cache_returns_the_same_structure_symbolically_as
     assert isinstance(symbolic, tuple) and isinstance(symbolic[1], list)
     for spec, value in zip(keras.tree.flatten(symbolic), keras.tree.flatten(eager), strict=True):
         assert tuple(spec.shape) == tuple(value.shape) and spec.dtype == value.dtype
+
+
+def test_the_learned_position_table_is_max_positions_and_old_configs_max_length_still_builds_it():
+    """Saved runs' config.json call it max_length: `Transformer(**config["model"])` and `from_config` take both."""
+    from keras_transformer import PositionalEncoding
+
+    model = Transformer.from_preset("tiny", vocab_size=VOCAB, learned_positions=True, max_positions=12)
+    config = model.get_config()
+    assert config["max_positions"] == model.max_positions == model.positional_encoding.max_positions == 12
+    assert "max_length" not in config
+    old_config = {**{k: v for k, v in config.items() if k != "max_positions"}, "max_length": 9}
+    for rebuilt in (Transformer(**old_config), Transformer.from_config(old_config)):
+        assert rebuilt.max_positions == 9 and rebuilt.get_config()["max_positions"] == 9
+        rebuilt.build()
+        assert rebuilt.positional_encoding.position_embeddings.shape == (9, 32)
+    old_layer = PositionalEncoding.from_config({"learned": True, "max_length": 6, "name": "old"})
+    assert old_layer.max_positions == 6 and old_layer.get_config()["max_positions"] == 6
+    with pytest.raises(ValueError, match="max_positions or its old name max_length, not both"):
+        Transformer(vocab_size=VOCAB, max_positions=8, max_length=8)
+    with pytest.raises(ValueError, match="max_positions must be a positive integer, got 0"):
+        PositionalEncoding(max_positions=0)

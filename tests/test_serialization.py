@@ -37,7 +37,8 @@ _PAIR = (_RNG.integers(1, 50, size=(2, 6)).astype("int32"), _RNG.integers(1, 50,
             lambda: MultiHeadAttention(2, key_dim=8, value_dim=4, dropout=0.1, output_shape=(24,), seed=3),
             (_SEQUENCE, _MEMORY),
         ),
-        (lambda: PositionalEncoding(learned=True, max_length=64), (_SEQUENCE,)),
+        (lambda: PositionalEncoding(learned=True, max_positions=64), (_SEQUENCE,)),
+        (lambda: PositionalEncoding(learned=True, max_length=32), (_SEQUENCE,)),  # its name in old configs
         (lambda: SharedEmbedding(100, 16, pad_id=3), (_IDS,)),
         (lambda: FeedForward(16, 32, activation="gelu"), (_SEQUENCE,)),
         (lambda: LayerNormalization(epsilon=1e-2), (_SEQUENCE * 0.1,)),  # small variance: epsilon shows
@@ -50,11 +51,18 @@ _PAIR = (_RNG.integers(1, 50, size=(2, 6)).astype("int32"), _RNG.integers(1, 50,
             lambda: Transformer(vocab_size=50, num_layers=1, d_model=16, num_heads=2, d_ff=32, learned_positions=True),
             (_PAIR,),
         ),
+        (  # A config.json written before max_positions had its name.
+            lambda: Transformer(
+                vocab_size=50, num_layers=1, d_model=16, num_heads=2, d_ff=32, learned_positions=True, max_length=20
+            ),
+            (_PAIR,),
+        ),
     ],
     ids=[
         "MultiHeadAttention",
         "MultiHeadAttention-keras-names",
         "PositionalEncoding",
+        "PositionalEncoding-old-max_length",
         "SharedEmbedding",
         "FeedForward",
         "LayerNormalization",
@@ -64,6 +72,7 @@ _PAIR = (_RNG.integers(1, 50, size=(2, 6)).astype("int32"), _RNG.integers(1, 50,
         "Encoder",
         "Decoder",
         "Transformer",
+        "Transformer-old-max_length",
     ],
 )
 def test_config_round_trips(make_layer, inputs):
@@ -137,7 +146,7 @@ def test_transformer_round_trips_through_a_keras_file_in_a_new_process(tmp_path)
     script = textwrap.dedent(
         f"""
         import numpy as np, keras
-        import keras_transformer  # registers the layers
+        import keras_transformer.model  # registers the layers (`import keras_transformer` loads nothing yet)
         data = np.load({str(tmp_path / 'inputs.npz')!r})
         model = keras.saving.load_model({str(tmp_path / 'model.keras')!r})
         assert type(model).__name__ == "Transformer", type(model)

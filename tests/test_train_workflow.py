@@ -8,7 +8,6 @@ the `Trainer` runs in this process.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,18 +16,19 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_transformer import distribution, run_dir
+from keras_transformer import distribution, run_dir, run_settings, training_run
+from keras_transformer.cli import train as train_cli
 from keras_transformer.model import Transformer
+from keras_transformer.recipes import RECIPES
 from keras_transformer.trainer import Trainer, TrainingConfig
-from repo_scripts import import_train_script as _import_train_script  # noqa: E402
+from fake_runs import PAIRS, checkpointed_run, fake_translations, free_ports, validation_corpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT = 240
 
 
 def _resolve(*flags):
-    train = _import_train_script()
-    return train.resolve_settings(train.build_parser().parse_args(list(flags)))[0]
+    return train_cli.resolve_settings(train_cli.build_parser().parse_args(list(flags)))[0]
 
 
 def _one_line_error(exit_code, stderr):
@@ -90,10 +90,8 @@ def test_a_runs_config_json_given_back_trains_the_same_run(tmp_path, small_corpu
 
 def _saved_run(directory, **train_settings):
     """A run directory as a `tiny` run's start leaves it: its config.json, nothing trained."""
-    train = _import_train_script()
     settings = _resolve("--preset", "tiny", "--run-dir", str(directory / "elsewhere"))
-    settings.update(source_lang="en", target_lang="de", **train_settings)
-    run_dir.write_config(directory, train.run_config(settings))
+    run_settings.write_run_config(directory, settings.replace(source_lang="en", target_lang="de", **train_settings))
     return directory
 
 
@@ -103,34 +101,33 @@ def test_flags_override_the_file_which_overrides_the_run_and_the_recipe(tmp_path
 
     settings = _resolve("--run-dir", str(run), "--config", str(config), "--log-every", "9")
 
-    assert settings["log_every"] == 9  # flag over file
-    assert settings["train_steps"] == 50 and settings["alpha"] == 1.0  # file over the run and the recipe
-    assert settings["eval_every"] == 10  # the run over the recipe (tiny: 0)
-    assert settings["keep_checkpoints"] == 3 and settings["preset"] == "tiny"  # the recipe of the run's preset
+    assert settings.log_every == 9  # flag over file
+    assert settings.train_steps == 50 and settings.alpha == 1.0  # file over the run and the recipe
+    assert settings.eval_every == 10  # the run over the recipe (tiny: 0)
+    assert settings.keep_checkpoints == 3 and settings.preset == "tiny"  # the recipe of the run's preset
 
 
 def test_a_file_chooses_the_preset_and_with_it_the_recipe_and_run_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = _write(tmp_path / "exp.json", {"train": {"preset": "tiny"}})
-    train = _import_train_script()
-    settings, run, _ = train.resolve_settings(train.build_parser().parse_args(["--config", str(config)]))
-    assert settings["train_steps"] == train.RECIPES["tiny"]["train_steps"]
+    settings, run, _ = train_cli.resolve_settings(train_cli.build_parser().parse_args(["--config", str(config)]))
+    assert settings.train_steps == RECIPES["tiny"].training["train_steps"]
     assert run == Path("runs") / "multi30k-tiny"
 
 
 def test_steps_in_a_file_replace_the_runs_epochs(tmp_path):
     run = _saved_run(tmp_path / "run", epochs=2.0, train_steps=600)
-    assert _resolve("--run-dir", str(run))["epochs"] == 2.0
+    assert _resolve("--run-dir", str(run)).epochs == 2.0
     config = _write(tmp_path / "exp.yaml", {"train": {"train_steps": 50}})
     settings = _resolve("--run-dir", str(run), "--config", str(config))
-    assert settings["epochs"] is None and settings["train_steps"] == 50
+    assert settings.epochs is None and settings.train_steps == 50
 
 
 def test_a_pinned_setting_of_a_file_is_refused_by_the_run(tmp_path, capsys):
     run = _saved_run(tmp_path / "run")
     config = _write(tmp_path / "exp.yaml", {"train": {"seed": 1}})
     before = (run / run_dir.CONFIG_FILE).read_text()
-    exit_code = _import_train_script().main(["--run-dir", str(run), "--config", str(config)])
+    exit_code = train_cli.main(["--run-dir", str(run), "--config", str(config)])
     line = _one_line_error(exit_code, capsys.readouterr().err)
     assert f"{run} was trained with --seed 0, not 1 (train.seed of --config {config})" in line
     assert "leave train.seed out to continue this run" in line
@@ -161,7 +158,7 @@ def test_a_pinned_setting_of_a_file_is_refused_by_the_run(tmp_path, capsys):
 )
 def test_a_wrong_key_or_value_in_a_file_is_one_error_naming_it(tmp_path, capsys, config, message):
     path = _write(tmp_path / "exp.yaml", config)
-    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--config", str(path)])
+    exit_code = train_cli.main(["--run-dir", str(tmp_path / "run"), "--config", str(path)])
     line = _one_line_error(exit_code, capsys.readouterr().err)
     assert line.startswith(f"train.py: error: --config {path}: ") and message in line, line
     assert not (tmp_path / "run").exists()
@@ -173,7 +170,7 @@ def test_the_model_keys_a_preset_determines_pass_with_the_files_own_settings(tmp
     config = {"train": {"preset": "tiny"}, "data": {"vocab_size": 1000}, "model": run_dir.model_config(model)}
     path = _write(tmp_path / "exp.json", config)
     settings = _resolve("--run-dir", str(tmp_path / "run"), "--config", str(path), "--vocab-size", "2000")
-    assert (settings["vocab_size"], settings["dropout"]) == (2000, 0.2)
+    assert (settings.vocab_size, settings.dropout) == (2000, 0.2)
 
 
 @pytest.mark.parametrize("name", ["exp.yaml", "exp.yml", "exp.json", "exp.cfg", "json-text.cfg"])
@@ -189,8 +186,8 @@ def test_yaml_and_json_files_load_alike(tmp_path, name):
     else:
         _write(path, config)
     settings = _resolve("--run-dir", str(tmp_path / "run"), "--config", str(path))
-    assert (settings["token_budget"], settings["long_sentences"], settings["max_minutes"]) == (4096, "truncate", None)
-    assert (settings["learning_rate_scale"], settings["jit_compile"], settings["preset"]) == (1.5, True, "tiny")
+    assert (settings.token_budget, settings.long_sentences, settings.max_minutes) == (4096, "truncate", None)
+    assert (settings.learning_rate_scale, settings.jit_compile, settings.preset) == (1.5, True, "tiny")
 
 
 @pytest.mark.parametrize(
@@ -205,16 +202,15 @@ def test_yaml_and_json_files_load_alike(tmp_path, name):
 def test_a_file_that_is_no_settings_mapping_is_one_error(tmp_path, capsys, name, text, message):
     path = tmp_path / name
     path.write_text(text)
-    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--config", str(path)])
+    exit_code = train_cli.main(["--run-dir", str(tmp_path / "run"), "--config", str(path)])
     line = _one_line_error(exit_code, capsys.readouterr().err)
     assert f"--config {path}: {message}" in line, line
 
 
 def test_a_missing_file_or_a_directory_is_one_error(tmp_path, capsys):
-    train = _import_train_script()
-    line = _one_line_error(train.main(["--config", str(tmp_path / "nope.yaml")]), capsys.readouterr().err)
+    line = _one_line_error(train_cli.main(["--config", str(tmp_path / "nope.yaml")]), capsys.readouterr().err)
     assert f"--config {tmp_path / 'nope.yaml'}: cannot read it (No such file or directory)." in line
-    line = _one_line_error(train.main(["--config", str(tmp_path)]), capsys.readouterr().err)
+    line = _one_line_error(train_cli.main(["--config", str(tmp_path)]), capsys.readouterr().err)
     assert f"--config {tmp_path} is a directory; give a file, such as {tmp_path / 'config.json'}." in line
 
 
@@ -222,11 +218,29 @@ def test_a_missing_file_or_a_directory_is_one_error(tmp_path, capsys):
 
 
 def test_the_default_recipe_stops_after_its_steps_not_on_time():
-    train = _import_train_script()
-    assert train.RECIPES["small"]["max_minutes"] is None and train.RECIPES["small"]["train_steps"] == 800
+    assert RECIPES["small"].training["max_minutes"] is None and RECIPES["small"].training["train_steps"] == 800
     settings = _resolve("--run-dir", "unused")
-    assert (settings["preset"], settings["train_steps"], settings["max_minutes"]) == ("small", 800, None)
-    assert _resolve("--run-dir", "unused", "--max-minutes", "5")["max_minutes"] == 5.0
+    assert (settings.preset, settings.train_steps, settings.max_minutes) == ("small", 800, None)
+    assert _resolve("--run-dir", "unused", "--max-minutes", "5").max_minutes == 5.0
+
+
+@pytest.mark.parametrize("preset", sorted(RECIPES))
+def test_a_preset_is_its_recipe_for_the_model_the_flags_the_trainer_and_the_search(preset):
+    """--preset NAME takes everything from RECIPES[NAME]: the parser's choices, the run's settings, the model."""
+    recipe = RECIPES[preset]
+    parser = train_cli.build_parser()
+    (choice,) = [action for action in parser._actions if action.dest == "preset"]
+    assert tuple(choice.choices) == tuple(RECIPES)
+    assert f"{preset} ({recipe.summary})" in " ".join(parser.format_help().split())
+    settings = _resolve("--run-dir", "unused", "--preset", preset)
+    config = settings.replace(mixed_precision="none").training_config()  # `auto` is resolved when a run starts.
+    for name, value in recipe.training.items():
+        assert getattr(settings, name) == value
+        if hasattr(config, name):
+            assert getattr(config, name) == value
+    assert settings.decoding == recipe.decoding and settings.dropout == recipe.model["dropout_rate"]
+    model = Transformer.from_preset(preset, vocab_size=settings.vocab_size)
+    assert {key: getattr(model, key) for key in recipe.model} == dict(recipe.model)
 
 
 def _synthetic_pairs_dataset(input_context):
@@ -369,7 +383,7 @@ def test_a_worker_follows_the_chiefs_decisions_in_the_same_collectives(tmp_path,
     monkeypatch.setattr(distribution, "is_chief", lambda strategy: False)
     worker = _trainer(tmp_path / "worker-run", None, eval_every=1, patience=2)
     saved = []
-    monkeypatch.setattr(worker._best_manager, "save", lambda checkpoint_number: saved.append(checkpoint_number))
+    monkeypatch.setattr(worker._best.manager, "save", lambda checkpoint_number: saved.append(checkpoint_number))
     result = worker.fit(_synthetic_pairs_dataset)
     assert (result.step, result.out_of_patience) == (4, True)
     assert len(others) == len(calls)
@@ -395,21 +409,14 @@ def test_patience_needs_a_validation_function_on_the_chief(tmp_path):
     ids=["no-eval-every", "no-bleu"],
 )
 def test_patience_without_validation_bleu_is_one_error(tmp_path, capsys, flags, message):
-    exit_code = _import_train_script().main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", *flags])
+    exit_code = train_cli.main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", *flags])
     assert message in _one_line_error(exit_code, capsys.readouterr().err)
     assert not (tmp_path / "run").exists()
 
 
 def _run_with_best(directory, best_step=10, steps=(10, 20)):
     """A run directory with checkpoints at `steps` and the best checkpoint at `best_step`."""
-    model = Transformer.from_preset("tiny", vocab_size=50)
-    model.build()
-    run_dir.write_config(directory, {"model": run_dir.model_config(model), "train": {"average_last": 2}})
-    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(directory / run_dir.CHECKPOINT_DIR), 3)
-    for step in steps:
-        manager.save(checkpoint_number=step)
-    best = tf.train.Checkpoint(model=model, bleu=tf.Variable(12.5, dtype=tf.float64))
-    return best.write(str(directory / run_dir.BEST_DIR / f"ckpt-{best_step}"))
+    return checkpointed_run(directory, steps, best_step=best_step, train={"average_last": 2}).best
 
 
 def test_best_means_a_current_average_else_the_best_checkpoint(tmp_path):
@@ -427,27 +434,14 @@ def test_best_means_a_current_average_else_the_best_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("better", [run_dir.AVERAGED_DIR, run_dir.BEST_DIR])
 def test_the_final_evaluation_keeps_the_average_only_if_it_beats_the_best_checkpoint(tmp_path, monkeypatch, better):
-    from keras_transformer import evaluation
-
     best = _run_with_best(tmp_path, best_step=10, steps=(10, 20))
-    pairs = [
-        ("a man in a red house", "ein Mann in einem roten Haus"),
-        ("a dog runs on the grass", "ein Hund rennt auf dem Gras"),
-        ("two men play in the street", "zwei Männer spielen auf der Straße"),
-    ]
-    references = [target for _, target in pairs]
     # Translations stand in for the two checkpoints: the `better` one translates perfectly.
-    monkeypatch.setattr(run_dir, "load_model", lambda run, which: which)
-    monkeypatch.setattr(run_dir, "load_tokenizer", lambda run: None)
-    monkeypatch.setattr(
-        evaluation, "translate",
-        lambda model, tokenizer, sources, **kwargs: (
-            references if Path(model).parent.name == better else ["nichts"] * len(sources)
-        ),
+    fake_translations(monkeypatch, winner=better)
+    settings = run_settings.layered(
+        {"preset": "tiny", "average_last": 2, "bleu_sentences": len(PAIRS), "beam_size": 1, "alpha": 0.6,
+         "max_length": 16}
     )
-    corpus = type("Corpus", (), {"validation": pairs, "target_lang": "de"})()
-    settings = {"average_last": 2, "bleu_sentences": 3, "beam_size": 1, "alpha": 0.6, "max_length": 16}
-    _import_train_script().average_against_best(tmp_path, corpus, settings)
+    training_run.average_if_better(tmp_path, validation_corpus(), settings)
     expected = run_dir.checkpoint_path(tmp_path, "averaged") if better == run_dir.AVERAGED_DIR else best
     assert (tmp_path / run_dir.AVERAGED_DIR).exists() == (better == run_dir.AVERAGED_DIR)
     assert run_dir.checkpoint_path(tmp_path, "best") == expected
@@ -487,16 +481,6 @@ def test_train_py_stops_on_patience_and_tests_the_best_checkpoint(tmp_path, smal
     assert run_dir.best_checkpoint(run) == (str(run / run_dir.BEST_DIR / "ckpt-4"), 12.0)
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
 @pytest.mark.slow
 def test_two_workers_stop_together_on_the_chiefs_patience(tmp_path, small_corpus):
     """Only the chief validates; the other worker saves the best checkpoint and stops with it, at step 8."""
@@ -504,7 +488,7 @@ def test_two_workers_stop_together_on_the_chiefs_patience(tmp_path, small_corpus
     flags = ["--run-dir", str(run), "--preset", "tiny", *small_corpus, "--vocab-size", "1000", "--max-length", "64",
              "--train-steps", "20", "--eval-every", "2", "--checkpoint-every", "2", "--patience", "2",
              "--beam-size", "1", "--bleu-sentences", "4"]
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", _FAKE_VALIDATION.replace("FLAGS", repr(flags))], cwd=ROOT,

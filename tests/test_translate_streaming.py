@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from keras_transformer.translator import Translator
-from repo_scripts import load_translate_cli  # noqa: E402
+from cli_modules import load_translate_cli  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRANSLATE_PY = REPO / "translate.py"

@@ -1,4 +1,4 @@
-"""Runs the `Trainer` on a fixed synthetic data set in a fresh process, for test_training.py.
+"""Runs the `Trainer` on a fixed synthetic data set in a fresh process, for the distributed-training tests.
 
 Logical CPU devices and `MultiWorkerMirroredStrategy` must be set up before TensorFlow
 initializes its devices, which a pytest process has long done; so these runs get their

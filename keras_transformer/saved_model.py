@@ -1,33 +1,29 @@
 """Export a trained run as a SavedModel that TF Serving serves, and check it before use.
 
-`python -m export --run-dir RUN --out models/transformer` writes TF Serving's versioned
-layout:
+`export_run` (the library of `kt-export` / `python -m export --run-dir RUN --out
+models/transformer`, `keras_transformer.cli.export`) writes TF Serving's versioned layout:
 
     models/transformer/<version>/saved_model.pb
                                  variables/
                                  assets/tokenizer.model                    the vocabulary
                                  assets.extra/tf_serving_warmup_requests   PredictionLogs (*)
 
-Signatures (tokenization, beam search and detokenization are all in the graph, through
-tensorflow-text's SentencePiece ops, which TF Serving's model server links in):
-
-* `serving_default`: `text` tf.string `[batch]` -> `translation` tf.string `[batch]`,
-  `score` float32 `[batch]` (beam size and length penalty fixed at export). With
-  `--jit-compile` its beam search is compiled by XLA (see `Translator`): TF Serving then
-  needs `--xla_cpu_compilation_enabled=true` on CPUs.
-* `translate_with_options`: `text`, `beam_size` int32 `[]`, `alpha` float32 `[]`,
-  `max_length` int32 `[]`, `min_length` int32 `[]` -> `translation`, `score`, and the n-best lists
-  `translations` tf.string `[batch, beam_size]`, `scores` float32 `[batch, beam_size]`.
-  Scalars do not fit TF Serving's row format: call it with the columnar
-  `{"inputs": {...}}` REST format. Nor do they fit its batching, which needs a batch
-  dimension on every input: a server started with `--enable_batching` (see
-  `export/batching.config`) refuses this signature with INVALID_ARGUMENT and batches
-  `serving_default`, whose inputs and outputs are all `[batch]`, so that the rows of
-  merged requests are split back as they came.
+The signatures are the table of `keras_transformer.signatures` (`serving_default` and
+`translate_with_options`); tokenization, beam search and detokenization are all in the
+graph, through tensorflow-text's SentencePiece ops, which TF Serving's model server
+links in. `serving_default` searches with the export's `DecodingSettings` (the run's
+unless given). With `jit_compile=True` its beam search is compiled by XLA (see
+`Translator`): TF Serving then needs `--xla_cpu_compilation_enabled=true` on CPUs.
+`translate_with_options` has scalar inputs, which fit neither TF Serving's row format
+(call it with the columnar `{"inputs": {...}}` REST format) nor its batching, which
+needs a batch dimension on every input: a server started with `--enable_batching` (see
+`export/batching.config`) refuses this signature with INVALID_ARGUMENT and batches
+`serving_default`, whose inputs and outputs are all `[batch]`, so that the rows of
+merged requests are split back as they came.
 
 (*) Built with tensorflow-serving-api's protos (the `serving` extra). Without it the export
 is written and checked all the same, with a warning and no warmup requests: TF Serving
-then runs a version's graph set-up (with `--jit-compile`, its XLA compilations) in its
+then runs a version's graph set-up (with `jit_compile`, its XLA compilations) in its
 first requests instead of before serving it.
 
 The SentencePiece op keeps its model as a graph attribute, so the graph itself carries
@@ -35,9 +31,9 @@ the vocabulary; `assets/tokenizer.model` ships the same file for clients and for
 `sentencepiece` tools.
 
 The version is written under a temporary name, reloaded and checked (it must translate
-the check sentences exactly as the in-process `Translator` does), and only then renamed
-to its number: TF Serving, which polls the base directory for numbered versions, never
-sees a partial or unchecked model.
+the check sentences exactly as the in-process `Translator` does, and its signatures must
+be the table's), and only then renamed to its number: TF Serving, which polls the base
+directory for numbered versions, never sees a partial or unchecked model.
 """
 
 import os
@@ -47,7 +43,14 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from keras_transformer.translator import OPTIONS_SIGNATURE, SERVING_SIGNATURE, Translator
+from keras_transformer.signatures import (
+    OPTIONS_SIGNATURE,
+    SERVING_SIGNATURE,
+    SIGNATURES,
+    TRANSLATE_WITH_OPTIONS,
+    options_request,
+)
+from keras_transformer.translator import Translator
 
 WARMUP_FILE = "tf_serving_warmup_requests"
 VOCABULARY_ASSET = "tokenizer.model"
@@ -87,6 +90,7 @@ def export_run(
     model_name=None,
     check_sentences=(),
     log=print,
+    decoding=None,
     **translator_options,
 ):
     """Exports the translator of a run directory as version `version` under `out`, checked.
@@ -101,7 +105,9 @@ def export_run(
         check_sentences: Sentences to check the export on, besides `CHECK_SENTENCES`.
         log: Receives one line per step and per check, and a "warning: ..." line when
             tensorflow-serving-api is missing (no warmup requests then).
-        **translator_options: `Translator` arguments (`beam_size`, `alpha`, ...).
+        decoding: The `DecodingSettings` of `serving_default` (and of the unset options of
+            `translate_with_options`); `None` for the run's own (`run_dir.decoding_settings`).
+        **translator_options: Other `Translator` arguments (`max_source_length`, `jit_compile`).
 
     Returns:
         The version directory.
@@ -119,7 +125,7 @@ def export_run(
         raise ExportError(
             f"{final} exists; choose another --version (next free: {next_version(out)})."
         )
-    translator = Translator.from_run_dir(run_dir, which, **translator_options)
+    translator = Translator.from_run_dir(run_dir, which, decoding=decoding, **translator_options)
     out.mkdir(parents=True, exist_ok=True)
     # Not a number, so TF Serving ignores it; made like any directory (not mkdtemp's
     # owner-only mode), so a server running as another user can read the version.
@@ -206,12 +212,15 @@ def verify_export(directory, translator, sentences):
     _check_same(served, expected, f"{SERVING_SIGNATURE} vs the in-process translator")
     yield f"{SERVING_SIGNATURE} translates {len(sentences)} sentences as the in-process translator"
 
+    settings = translator.decoding
+    # The translator's own settings given as options, and no output cap: serving_default's search.
+    options = options_request(beam_size=settings.beam_size, alpha=settings.alpha, min_length=settings.min_length)
     with_options = loaded.signatures[OPTIONS_SIGNATURE](
         text=text,
-        beam_size=tf.constant(translator.beam_size),
-        alpha=tf.constant(translator.alpha, tf.float32),
-        max_length=tf.constant(0),
-        min_length=tf.constant(translator.min_length),
+        **{
+            name: tf.constant(value, TRANSLATE_WITH_OPTIONS.input(name).dtype)
+            for name, value in options.items()
+        },
     )
     # The options signature runs in graph mode: against an XLA search, allow XLA's rounding.
     tolerance = 1e-4 if translator.jit_compile else 1e-6
@@ -219,7 +228,7 @@ def verify_export(directory, translator, sentences):
         with_options, expected, f"{OPTIONS_SIGNATURE} vs {SERVING_SIGNATURE}", tolerance
     )
     yield (
-        f"{OPTIONS_SIGNATURE}(beam_size={translator.beam_size}, alpha={translator.alpha}) gives "
+        f"{OPTIONS_SIGNATURE}(beam_size={settings.beam_size}, alpha={settings.alpha}) gives "
         f"the same best translations, with {with_options['translations'].shape[1]}-best lists"
     )
 
@@ -250,38 +259,26 @@ def _check_warmup_requests(loaded, path):
 
 
 def _check_signatures(loaded):
-    expected = {
-        SERVING_SIGNATURE: ({"text": tf.string}, {"translation": tf.string, "score": tf.float32}),
-        OPTIONS_SIGNATURE: (
-            {
-                "text": tf.string,
-                "beam_size": tf.int32,
-                "alpha": tf.float32,
-                "max_length": tf.int32,
-                "min_length": tf.int32,
-            },
-            {
-                "translation": tf.string,
-                "score": tf.float32,
-                "translations": tf.string,
-                "scores": tf.float32,
-            },
-        ),
-    }
-    for name, (inputs, outputs) in expected.items():
+    """Raises an ExportError unless `loaded` has the signatures of `keras_transformer.signatures`."""
+    for name, signature in SIGNATURES.items():
         if name not in loaded.signatures:
             raise ExportError(f"Signature {name} is missing.")
         function = loaded.signatures[name]
-        found_inputs = {
-            key: spec.dtype for key, spec in function.structured_input_signature[1].items()
-        }
-        found_outputs = {key: spec.dtype for key, spec in function.structured_outputs.items()}
+        found_inputs = _dtypes_and_shapes(function.structured_input_signature[1])
+        found_outputs = _dtypes_and_shapes(function.structured_outputs)
+        inputs = {tensor.name: (tensor.dtype, tensor.shape) for tensor in signature.inputs}
+        outputs = {tensor.name: (tensor.dtype, tensor.shape) for tensor in signature.outputs}
         if found_inputs != inputs or found_outputs != outputs:
             raise ExportError(
                 f"Signature {name} is {found_inputs} -> {found_outputs}, "
                 f"expected {inputs} -> {outputs}."
             )
-    return "signatures " + ", ".join(expected) + " have the expected inputs and outputs"
+    return "signatures " + ", ".join(SIGNATURES) + " have the expected inputs and outputs"
+
+
+def _dtypes_and_shapes(specs):
+    """`{name: (dtype name, shape tuple)}` of a dict of `tf.TensorSpec`s, as the signature table writes them."""
+    return {name: (spec.dtype.name, tuple(spec.shape.as_list())) for name, spec in specs.items()}
 
 
 def _check_same(found, expected, what, tolerance=1e-6):

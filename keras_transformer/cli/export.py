@@ -1,0 +1,143 @@
+"""`kt-export` (`python -m export`): export a trained run as a SavedModel for TF Serving, checked first.
+
+    kt-export --run-dir RUN --out models/transformer [--version N]
+
+The export translates with one `DecodingSettings`: the run's own (its beam size and
+length penalty, `run_dir.decoding_settings`), with the flags given replacing theirs.
+The library is `keras_transformer.saved_model`.
+"""
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+from keras_transformer.decoding_settings import EARLY_STOPPING, MAX_BEAM_SIZE, DecodingSettings
+
+# The command's name in its messages: kt-export when run so, else the repository's module.
+PROG = Path(sys.argv[0]).name if Path(sys.argv[0]).name == "kt-export" else "python -m export"
+
+
+def parse_args(argv=None):
+    from keras_transformer.translator import DEFAULT_MAX_SOURCE_LENGTH
+
+    defaults = DecodingSettings()
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Export a trained run as a SavedModel for TF Serving (versioned layout), "
+        "checked against the in-process model before it is published.",
+    )
+    parser.add_argument("--run-dir", required=True, help="Training run directory.")
+    parser.add_argument(
+        "--out", required=True, help="Model base directory, e.g. models/transformer."
+    )
+    parser.add_argument("--version", type=int, help="Version number (default: the next free one).")
+    parser.add_argument(
+        "--checkpoint",
+        default="best",
+        help='"best" (default), "averaged", "latest" or a checkpoint path.',
+    )
+    parser.add_argument(
+        "--model-name", help="Model name in the warmup requests (default: --out's name)."
+    )
+    parser.add_argument(
+        "--beam-size",
+        type=int,
+        help=f"serving_default's beam (1-{MAX_BEAM_SIZE}; default: the run's, usually {defaults.beam_size}).",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        help=f"serving_default's length penalty (default: the run's, usually {defaults.alpha}).",
+    )
+    parser.add_argument(
+        "--max-extra-length",
+        type=int,
+        help=f"Outputs: source length + this at most (default {defaults.max_extra_length}).",
+    )
+    parser.add_argument(
+        "--min-length",
+        type=int,
+        help=f"serving_default's fewest tokens before EOS (default {defaults.min_length}: no sentence "
+        "translates to an empty string; 0 lets EOS come first).",
+    )
+    parser.add_argument(
+        "--max-source-length",
+        type=int,
+        default=DEFAULT_MAX_SOURCE_LENGTH,
+        help=f"Sources are cut to this many tokens, EOS included (default {DEFAULT_MAX_SOURCE_LENGTH}).",
+    )
+    # The flag's name before the lengths had one name each; old commands keep working.
+    parser.add_argument(
+        "--max-input-length", dest="max_source_length", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="Compile serving_default's beam search with XLA (faster per sentence on CPUs, see "
+        "docs/performance.md; TF Serving then needs --xla_cpu_compilation_enabled=true on CPUs).",
+    )
+    parser.add_argument(
+        "--early-stopping",
+        choices=EARLY_STOPPING,
+        help="When the beam search stops: exact (default, the paper's code: once no live "
+        "hypothesis can win at any length it could reach) or current_length (once none wins "
+        "at its next length, a heuristic; fewer steps, not always the exact result).",
+    )
+    parser.add_argument(
+        "--check-file", help="Also check the export on this file's sentences (one per line)."
+    )
+    parser.add_argument("--check-lines", type=int, default=16, help="Lines of --check-file to use.")
+    args = parser.parse_args(argv)
+    if args.min_length is not None and args.min_length < 0:
+        parser.error("--min-length must be 0 or more.")
+    return args
+
+
+def read_check_sentences(path, lines):
+    if path is None:
+        return []
+    with open(path, encoding="utf-8", errors="replace") as file:
+        return [line.rstrip("\n") for line in itertools.islice(file, lines)]
+
+
+def decoding_settings(args):
+    """The run's `DecodingSettings`, with the flags given replacing theirs.
+
+    Raises:
+        RunDirError: For a run directory without a readable config.json.
+        ValueError: For a setting out of range.
+    """
+    from keras_transformer import run_dir
+
+    return run_dir.decoding_settings(args.run_dir).replace(
+        beam_size=args.beam_size,
+        alpha=args.alpha,
+        max_extra_length=args.max_extra_length,
+        min_length=args.min_length,
+        early_stopping=args.early_stopping,
+    )
+
+
+def main(argv=None):
+    """Exports as the command line `argv` asks (default: `sys.argv[1:]`); returns the exit code (1 on failure)."""
+    args = parse_args(argv)
+    from keras_transformer.run_dir import RunDirError
+    from keras_transformer.saved_model import ExportError, export_run
+
+    try:
+        export_run(
+            args.run_dir,
+            args.out,
+            version=args.version,
+            which=args.checkpoint,
+            model_name=args.model_name,
+            check_sentences=read_check_sentences(args.check_file, args.check_lines),
+            decoding=decoding_settings(args),
+            max_source_length=args.max_source_length,
+            jit_compile=args.jit_compile,
+        )
+    except (ExportError, RunDirError, ValueError, OSError) as error:
+        print(f"export failed: {error}", file=sys.stderr)
+        return 1
+    return 0

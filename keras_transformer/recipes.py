@@ -1,0 +1,130 @@
+"""Recipes: one per preset, the model's size and how it is trained and decodes.
+
+A recipe is plain data. `Transformer.from_preset(name, vocab_size)` builds its model;
+`train.py --preset NAME` trains with its settings (every one a flag's default, see
+`keras_transformer.run_settings`); a run's translations use its decoding settings. The
+corpus adds what depends on the data, the vocabulary size and the longest training
+sequence (`keras_transformer.corpora.CORPORA`).
+
+`base` and `big` are the paper's Table 3 models with its schedule; `small` is the default
+of `train.py`, a fixed number of steps (about ten minutes on a 2-core CPU) so that every
+machine trains the same model; `medium` is the CPU recipe for the best Multi30k BLEU in
+about an hour; `tiny` is for tests. A new preset is one more `Recipe` in `RECIPES`.
+"""
+
+import dataclasses
+import types
+from collections.abc import Mapping
+
+from keras_transformer.decoding_settings import DecodingSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A preset.
+
+    Attributes:
+        name: The preset's name (`--preset`).
+        summary: One line for `train.py --help`.
+        model: `Transformer` keyword arguments but the vocabulary size: num_layers,
+            d_model, num_heads, d_ff, dropout_rate.
+        training: Defaults of the run settings it sets, by setting name (see
+            `keras_transformer.run_settings.RunSettings`): train_steps, max_minutes
+            (None: no time budget), token_budget (per replica), warmup_steps,
+            learning_rate_scale, log_every, checkpoint_every, keep_checkpoints, eval_every,
+            average_last, bleu_sentences.
+        decoding: How the run's translations are searched (validation, test, translate, export).
+    """
+
+    name: str
+    summary: str
+    model: Mapping
+    training: Mapping
+    decoding: DecodingSettings = DecodingSettings()
+
+    def __post_init__(self):
+        # Read-only views: a recipe is shared by every run that uses it.
+        object.__setattr__(self, "model", types.MappingProxyType(dict(self.model)))
+        object.__setattr__(self, "training", types.MappingProxyType(dict(self.training)))
+
+
+RECIPES = {
+    recipe.name: recipe
+    for recipe in (
+        Recipe(
+            "tiny",
+            "tests: trains in seconds, translates badly",
+            model=dict(num_layers=2, d_model=32, num_heads=4, d_ff=64, dropout_rate=0.1),
+            training=dict(
+                train_steps=200, max_minutes=None, token_budget=1024, warmup_steps=100, learning_rate_scale=1.0,
+                log_every=20, checkpoint_every=100, keep_checkpoints=3, eval_every=0, average_last=0,
+                bleu_sentences=100,
+            ),
+        ),
+        # Half the other presets' batch, for twice the updates; warm-up 1600, not 800: after as
+        # many tokens, the rate is 1/sqrt(2) of the one with 4,096-token batches (square-root
+        # scaling for half the batch). See docs/results.md.
+        Recipe(
+            "small",
+            "the default, 800 steps: about 10 min on a 2-core CPU",
+            model=dict(num_layers=3, d_model=256, num_heads=4, d_ff=1024, dropout_rate=0.1),
+            training=dict(
+                train_steps=800, max_minutes=None, token_budget=2048, warmup_steps=1600, learning_rate_scale=2.0,
+                log_every=25, checkpoint_every=200, keep_checkpoints=5, eval_every=0, average_last=0,
+                bleu_sentences=200,
+            ),
+        ),
+        Recipe(
+            "medium",
+            "best Multi30k BLEU in about an hour of CPU",
+            model=dict(num_layers=4, d_model=256, num_heads=8, d_ff=1024, dropout_rate=0.2),
+            training=dict(
+                train_steps=20000, max_minutes=60.0, token_budget=4096, warmup_steps=1000, learning_rate_scale=1.5,
+                log_every=50, checkpoint_every=100, keep_checkpoints=6, eval_every=400, average_last=5,
+                bleu_sentences=300,
+            ),
+        ),
+        # The paper: 100k steps of ~25k source + 25k target tokens (4096 padded tokens x 8 GPUs),
+        # the average of the last 5 checkpoints, written every 10 minutes (~every 1500 steps here).
+        Recipe(
+            "base",
+            "the paper's base model (GPUs, --dataset wmt14)",
+            model=dict(num_layers=6, d_model=512, num_heads=8, d_ff=2048, dropout_rate=0.1),
+            training=dict(
+                train_steps=100_000, max_minutes=None, token_budget=4096, warmup_steps=4000, learning_rate_scale=1.0,
+                log_every=100, checkpoint_every=1500, keep_checkpoints=20, eval_every=5000, average_last=5,
+                bleu_sentences=500,
+            ),
+        ),
+        # The paper: 300k steps, the average of the last 20 checkpoints.
+        Recipe(
+            "big",
+            "the paper's big model (GPUs, --dataset wmt14)",
+            model=dict(num_layers=6, d_model=1024, num_heads=16, d_ff=4096, dropout_rate=0.3),
+            training=dict(
+                train_steps=300_000, max_minutes=None, token_budget=4096, warmup_steps=4000, learning_rate_scale=1.0,
+                log_every=100, checkpoint_every=1500, keep_checkpoints=20, eval_every=5000, average_last=20,
+                bleu_sentences=500,
+            ),
+        ),
+    )
+}
+
+# The preset of a run that names none.
+DEFAULT_PRESET = "small"
+
+# The model sizes alone: `Transformer` keyword arguments by preset.
+PRESETS = types.MappingProxyType({name: recipe.model for name, recipe in RECIPES.items()})
+
+
+def get_recipe(name):
+    """The `Recipe` of preset `name`."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ValueError(f"Unknown preset {name!r}; choose one of {', '.join(RECIPES)}.") from None
+
+
+def get_preset(name):
+    """The keyword arguments of `Transformer` for preset `name` (but the vocabulary size)."""
+    return dict(get_recipe(name).model)

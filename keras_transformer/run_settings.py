@@ -1,0 +1,588 @@
+"""A training run's settings: where each comes from, how it is checked, and its config.json.
+
+Every setting of a run is a field of `RunSettings`; its metadata says where config.json
+keeps it (`data`, `train` or `model` section), whether it is pinned (it fixes the model,
+the vocabulary or the data stream, so an existing run cannot change it), whether `null`
+is a value, and how a value is checked. The `train.py` flags take their types from here,
+so a flag and a `--config` key are checked alike.
+
+A setting comes, in this order, from its flag, from the `--config` file, from the run
+directory's saved config.json (when resuming), or from the defaults: the preset's
+`Recipe` (`keras_transformer.recipes`), the corpus's entry (`keras_transformer.corpora`:
+vocabulary size and length cap), then the field's default. `resolve` does that and every
+check that needs no data, so that a bad command fails before anything is trained or written.
+
+config.json is `{"data": {...}, "train": {...}, "model": {...}}`: `data` and `train` are
+`RunSettings.to_config()`, `model` is `run_dir.model_config(model)` (the architecture)
+with the dropout setting. `RunSettings.from_config` reads it back, so a run's config.json
+given back as `--config` trains the same run.
+
+A `--config` file is JSON or YAML (by its extension, .json, .yaml or .yml, else by its
+text) with config.json's keys and layout, any of them left out. A value must be one its
+flag takes; `null` stands for a flag left out where that means something (epochs,
+max_minutes: no time budget, source_lang and target_lang: the corpus's). What a run
+records rather than chooses is checked, never used: `train.replicas` and the `model`
+keys other than dropout_rate, which the preset and the vocabulary size determine. An
+unknown key or a wrong value is one `SettingsError` naming the file and the key.
+`mixed_precision: auto` (the default) is resolved when the run starts
+(`keras_transformer.precision`) and saved as the choice, with its reason
+(`train.precision_reason`); asked of a run that has one, it keeps it.
+"""
+
+import argparse
+import dataclasses
+import difflib
+import json
+import logging
+import math
+from pathlib import Path
+
+from keras_transformer import corpora, precision, run_dir
+from keras_transformer.decoding_settings import MAX_BEAM_SIZE, DecodingSettings
+from keras_transformer.recipes import DEFAULT_PRESET, RECIPES, get_recipe
+from keras_transformer.trainer import TrainingConfig
+
+logger = logging.getLogger(__name__)
+
+
+class SettingsError(ValueError):
+    """Settings that cannot be used together or with the run directory; the message names the flag or key."""
+
+
+# The value checks of the flags (argparse types) and of --config values.
+
+
+def positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
+    return value
+
+
+def seed(text):
+    value = int(text)
+    if not 0 <= value < 2**32:  # NumPy's seeds, which Keras seeds, are 32-bit unsigned.
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {2**32 - 1}, got {text}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text):
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive number, got {text}")
+    return value
+
+
+def probability(text):
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+_INTEGER_CHECKS = (positive_int, non_negative_int, seed)
+_NUMBER_CHECKS = (positive_float, non_negative_float, probability)
+
+
+def _setting(check, *, section="train", key=None, pinned=False, nullable=False, recorded=False):
+    """A `RunSettings` field: `check` is a check above, a tuple of choices, `bool` or `str`.
+
+    A `recorded` setting has no flag: the run records it (how many replicas it trains on),
+    and a --config file's value is checked, not used.
+    """
+    metadata = dict(check=check, section=section, key=key, pinned=pinned, nullable=nullable, recorded=recorded)
+    return dataclasses.field(default=None, metadata=metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """Every setting of a training run, each named as its `train.py` flag (see the flags' help)."""
+
+    preset: str = _setting(tuple(RECIPES), pinned=True)
+    dataset: str = _setting(tuple(corpora.CORPORA), section="data", key="corpus", pinned=True)
+    source_lang: str = _setting(str, section="data", pinned=True, nullable=True)
+    target_lang: str = _setting(str, section="data", pinned=True, nullable=True)
+    vocab_size: int = _setting(positive_int, section="data", pinned=True)
+    max_length: int = _setting(positive_int, section="data", pinned=True)
+    long_sentences: str = _setting(("filter", "truncate"), section="data", pinned=True)
+    token_budget: int = _setting(positive_int, section="data", pinned=True)
+    seed: int = _setting(seed, pinned=True)
+    dropout: float = _setting(probability, section="model", key="dropout_rate", pinned=True)
+    warmup_steps: int = _setting(positive_int, pinned=True)
+    learning_rate_scale: float = _setting(positive_float, pinned=True)
+    label_smoothing: float = _setting(probability, pinned=True)
+    mixed_precision: str = _setting(precision.CHOICES, pinned=True)
+    jit_compile: bool = _setting(bool)
+    train_steps: int = _setting(positive_int)
+    epochs: float = _setting(positive_float, nullable=True)
+    max_minutes: float = _setting(non_negative_float, nullable=True)
+    log_every: int = _setting(positive_int)
+    checkpoint_every: int = _setting(positive_int)
+    keep_checkpoints: int = _setting(positive_int)
+    eval_every: int = _setting(non_negative_int)
+    patience: int = _setting(non_negative_int)
+    average_last: int = _setting(non_negative_int)
+    bleu_sentences: int = _setting(non_negative_int)
+    beam_size: int = _setting(positive_int)
+    alpha: float = _setting(non_negative_float)
+    # The number of replicas the run trains on (see `check_replicas`).
+    replicas: int = _setting(positive_int, nullable=True, recorded=True)
+    # No flag: why the run computes in its `mixed_precision` (see `keras_transformer.precision`);
+    # kept with the precision it explains, dropped when a flag asks for another.
+    precision_reason: str = _setting(str, nullable=True)
+
+    @property
+    def recipe(self):
+        return get_recipe(self.preset)
+
+    @property
+    def decoding(self) -> DecodingSettings:
+        """How the run translates: the recipe's search with the run's beam size and length penalty."""
+        return self.recipe.decoding.replace(beam_size=self.beam_size, alpha=self.alpha)
+
+    def training_config(self) -> TrainingConfig:
+        """The trainer's settings, each the run setting of its name."""
+        return TrainingConfig(**{field.name: getattr(self, field.name) for field in dataclasses.fields(TrainingConfig)})
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def to_config(self):
+        """config.json's `data` and `train` sections, and `model.dropout_rate`."""
+        config = {"data": {}, "train": {}, "model": {}}
+        for field in dataclasses.fields(self):
+            section, key = location(field.name)
+            config[section][key] = getattr(self, field.name)
+        return config
+
+
+SETTINGS = {field.name: field.metadata for field in dataclasses.fields(RunSettings)}
+PINNED = tuple(name for name, meta in SETTINGS.items() if meta["pinned"])
+# Flags of one command, not settings of the run: no key of a config file.
+PER_COMMAND = ("config", "data_dir", "devices", "connect_timeout_minutes", "run_dir", "average_only")
+
+
+def location(name):
+    """`(section, key)`: where config.json keeps setting `name`."""
+    meta = SETTINGS[name]
+    return meta["section"], meta["key"] or name
+
+
+_SETTING_AT = {location(name): name for name in SETTINGS}
+
+
+def flag_options(name):
+    """`add_argument` keyword arguments that check flag `--name` as its config key is checked."""
+    check = SETTINGS[name]["check"]
+    if check is bool:
+        return dict(action=argparse.BooleanOptionalAction)
+    if isinstance(check, tuple):
+        return dict(choices=check)
+    return {} if check is str else dict(type=check)
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def config_key(name):
+    """'train.max_minutes': where config.json keeps setting `name`."""
+    return ".".join(location(name))
+
+
+def defaults(preset, dataset):
+    """The settings of a new run of `preset` on `dataset` given nothing else: recipe, then corpus, then general."""
+    recipe, corpus = get_recipe(preset), corpora.get_corpus_entry(dataset)
+    return dict(
+        preset=preset, dataset=dataset, source_lang=None, target_lang=None,
+        vocab_size=corpus.vocab_size, max_length=corpus.max_length, long_sentences="filter",
+        seed=0, dropout=recipe.model["dropout_rate"], label_smoothing=0.1, mixed_precision=precision.AUTO,
+        jit_compile=False, epochs=None, patience=0, replicas=None, precision_reason=None,
+        beam_size=recipe.decoding.beam_size, alpha=recipe.decoding.alpha,
+        **recipe.training,
+    )
+
+
+def layered(*layers):
+    """The `RunSettings` of `layers` of `{name: value}`, each over the ones before, over the defaults."""
+    chosen = {}
+    for layer in layers:
+        chosen.update(layer)
+        if "train_steps" in layer and "epochs" not in layer:
+            chosen["epochs"] = None  # A length in steps replaces a length in epochs from below.
+    preset, dataset = chosen.get("preset", DEFAULT_PRESET), chosen.get("dataset", corpora.DEFAULT_CORPUS)
+    return RunSettings(**{**defaults(preset, dataset), **chosen, "preset": preset, "dataset": dataset})
+
+
+def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=False):
+    """The run's settings: `given` (the flags), else the --config file, else the saved config.json, else defaults.
+
+    Args:
+        given: `{setting: value}` of the flags given (None values are left out).
+        config_file: Path of a --config file, or None.
+        run: The run directory, or None for `runs/DATASET-PRESET`.
+        data_dir: The --data-dir flag (the `files` corpus needs it).
+        average_only: The --average-only flag (it reads no data, and needs a run).
+
+    Returns:
+        `(RunSettings, run directory Path, saved config dict or None)`.
+
+    Raises:
+        SettingsError: For flags or a --config file in conflict with the run directory or
+            with each other, and for a --config file that cannot be read or holds a
+            wrong key or value.
+    """
+    explicit = {name: value for name, value in given.items() if value is not None and name in SETTINGS}
+    from_file, model_keys = config_file_settings(config_file) if config_file is not None else ({}, {})
+    requested = {**from_file, **explicit}
+    dataset, preset = requested.get("dataset", corpora.DEFAULT_CORPUS), requested.get("preset", DEFAULT_PRESET)
+    run = Path(run or Path("runs") / f"{dataset}-{preset}")
+    if run.exists() and not run.is_dir():
+        raise SettingsError(f"--run-dir {run} is a file, not a directory.")
+    saved_config = run_dir.read_config(run) if (run / run_dir.CONFIG_FILE).is_file() else None
+    if saved_config is None:
+        _check_no_orphan_state(run)
+    saved = {} if saved_config is None else saved_settings(saved_config)
+    _check_pinned(requested, saved, explicit, run, config_file)
+    settings = layered(saved, from_file, explicit)
+    if settings.mixed_precision == precision.AUTO and "mixed_precision" in saved:
+        settings = settings.replace(  # `auto` keeps what the run chose.
+            mixed_precision=saved["mixed_precision"], precision_reason=saved.get("precision_reason")
+        )
+    elif "mixed_precision" in explicit:
+        settings = settings.replace(precision_reason=None)  # Chosen now, for the reason the run will log.
+    if model_keys:  # Checked against the file's own settings: flags may change what they determine.
+        _check_model_keys(model_keys, layered(saved, from_file), config_file)
+    if settings.max_minutes == 0:
+        settings = settings.replace(max_minutes=None)
+    _check_lengths(settings)
+    _check_corpus(settings, data_dir, average_only)
+    _check_patience(settings)
+    if settings.average_last > settings.keep_checkpoints:
+        # An error rather than averaging fewer: the number averaged is part of the recipe,
+        # and finding out after the training would be too late to keep more checkpoints.
+        raise SettingsError(
+            f"--average-last {settings.average_last} needs as many kept checkpoints, but "
+            f"--keep-checkpoints is {settings.keep_checkpoints}: raise --keep-checkpoints or lower "
+            "--average-last."
+        )
+    if average_only and saved_config is None:
+        raise SettingsError(f"--average-only needs an existing run directory; {run} has no config.json.")
+    _check_vocabulary(run, settings.vocab_size)
+    return settings, run, saved_config
+
+
+def _check_pinned(requested, saved, explicit, run, config_file):
+    for name in PINNED:
+        if name == "mixed_precision" and requested.get(name) == precision.AUTO:
+            continue  # `auto` takes the precision the run chose.
+        if name in requested and name in saved and requested[name] != saved[name]:
+            if name in explicit:
+                given, advice = "", f"leave out {flag(name)}"
+            else:
+                given, advice = f" ({config_key(name)} of --config {config_file})", f"leave {config_key(name)} out"
+            raise SettingsError(
+                f"{run} was trained with {flag(name)} {saved[name]}, not {requested[name]}{given}; use another "
+                f"--run-dir, or {advice} to continue this run."
+            )
+
+
+def _check_lengths(settings):
+    if settings.max_length < 2:
+        raise SettingsError(f"--max-length {settings.max_length} leaves no room for a token and EOS; use 2 or more.")
+    if settings.beam_size > MAX_BEAM_SIZE:
+        # The run's translators (translate.py, export) use the saved beam size.
+        raise SettingsError(f"--beam-size is at most {MAX_BEAM_SIZE}, got {settings.beam_size}.")
+    if settings.token_budget < settings.max_length:
+        raise SettingsError(
+            f"--token-budget ({settings.token_budget}) must be at least --max-length "
+            f"({settings.max_length}), or the longest pairs fit in no batch."
+        )
+
+
+def _check_corpus(settings, data_dir, average_only):
+    """The corpus's needs (a directory, languages) and its direction, checked here: loading it takes a while."""
+    entry = corpora.get_corpus_entry(settings.dataset)
+    if entry.needs_data_dir and not data_dir and not average_only:  # Averaging reads no data.
+        raise SettingsError(
+            f"--dataset {entry.name} needs --data-dir DIR holding train.SRC and train.TGT (a run does not save it: "
+            "give it again to resume)."
+        )
+    source, target = settings.source_lang, settings.target_lang
+    if entry.languages is None:
+        if not (source and target):
+            raise SettingsError(f"--dataset {entry.name} needs --source-lang and --target-lang (the file suffixes).")
+        return
+    try:
+        corpora.check_direction(entry.name, source, target)
+    except ValueError:
+        first, second = entry.languages
+        raise SettingsError(
+            f"--dataset {entry.name} translates between {first} and {second} (either way), not "
+            f"--source-lang {source or first} --target-lang {target or second}."
+        ) from None
+
+
+def _check_patience(settings):
+    """--patience counts validations with a BLEU: it needs --eval-every and --bleu-sentences."""
+    patience = settings.patience
+    if patience and not settings.eval_every:
+        raise SettingsError(
+            f"--patience {patience} counts validations, but --eval-every is 0 (one validation, at the end): "
+            "give --eval-every N, or --patience 0."
+        )
+    if patience and not settings.bleu_sentences:
+        raise SettingsError(
+            f"--patience {patience} watches the validation BLEU, but --bleu-sentences is 0 (no BLEU): give "
+            "--bleu-sentences N, or --patience 0."
+        )
+
+
+def saved_settings(config):
+    """The settings saved in a run's config.json, `{name: value}`."""
+    settings = {}
+    for (section, key), name in _SETTING_AT.items():
+        if key in config.get(section, {}):
+            settings[name] = config[section][key]
+    return settings
+
+
+def write_run_config(run, settings, model=None):
+    """Writes RUN/config.json: the settings, and the architecture of `model` once it is built."""
+    config = settings.to_config()
+    if model is None:
+        del config["model"]  # Until the model is built: a run of known settings, no model yet.
+    else:
+        config["model"] = {**run_dir.model_config(model), **config["model"]}
+    run_dir.write_config(run, config)
+
+
+def record_average_last(run, average_last):
+    """Saves `train.average_last` in config.json, as any command saves its new values."""
+    config = run_dir.read_config(run)
+    config.setdefault("train", {})["average_last"] = average_last
+    run_dir.write_config(run, config)
+
+
+def read_config_file(path):
+    """The mapping of a --config file: JSON by the extension .json, YAML by .yaml or .yml, else by its text."""
+    path = Path(path)
+    where = f"--config {path}"
+    if path.is_dir():
+        raise SettingsError(f"{where} is a directory; give a file, such as {path / 'config.json'}.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SettingsError(f"{where}: cannot read it ({getattr(error, 'strerror', None) or error}).") from None
+    suffix = path.suffix.lower()
+    if suffix == ".json" or (suffix not in (".yaml", ".yml") and _is_json(text)):
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise SettingsError(f"{where}: not valid JSON ({error}).") from None
+    else:
+        config = _load_yaml(text, where)
+    if config is None:  # An empty YAML file: no setting.
+        return {}
+    if not isinstance(config, dict):
+        raise SettingsError(f"{where}: must hold a mapping of sections (data, train, model), got {_shown(config)}.")
+    return config
+
+
+def _is_json(text):
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _load_yaml(text, where):
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        place = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        reason = getattr(error, "problem", None) or " ".join(str(error).split())
+        raise SettingsError(f"{where}: not valid YAML ({reason}{place}).") from None
+
+
+def config_file_settings(path):
+    """The settings of the --config file `path`, checked as their flags check them.
+
+    Returns:
+        `({setting: value}, {model key: value})`: the settings, and the `model` keys that
+        the preset determines (see `_check_model_keys`). `train.replicas` is checked and
+        left out: it records what a run trained on.
+
+    Raises:
+        SettingsError: Naming the file and the key, for an unknown key or a wrong value.
+    """
+    where = f"--config {path}"
+    settings, model_keys = {}, {}
+    for section, values in read_config_file(path).items():
+        if section not in ("data", "train", "model"):
+            raise SettingsError(f"{where}: unknown section {section!r}; a run's config.json has data, train and model.")
+        if not isinstance(values, dict):
+            raise SettingsError(f"{where}: {section} must be a mapping of keys to values, got {_shown(values)}.")
+        for key, value in values.items():
+            if section == "model":
+                key = run_dir.RENAMED_MODEL_KEYS.get(key, key)
+            name = _SETTING_AT.get((section, key))
+            label = f"{where}: {section}.{key}"
+            if name is None and section == "model" and key in run_dir.MODEL_KEYS:
+                model_keys[key] = value
+            elif name is None:
+                raise SettingsError(f"{where}: {_unknown_key(section, key)}")
+            else:
+                value = checked_value(value, name, label)
+                if not SETTINGS[name]["recorded"]:
+                    settings[name] = value
+    return settings, model_keys
+
+
+def _unknown_key(section, key):
+    """The error for `section.key`, with the key meant if there is a close one."""
+    message = f"unknown key {section}.{key}"
+    if str(key).replace("-", "_") in PER_COMMAND:
+        return f"{message}: {flag(str(key).replace('-', '_'))} is no setting of the run, give it on the command line."
+    known = [f"{place}.{name}" for place, name in _SETTING_AT] + [f"model.{name}" for name in run_dir.MODEL_KEYS]
+    elsewhere = [place_key for place_key in known if place_key.split(".")[1] == key]  # A key in another section.
+    close = elsewhere or difflib.get_close_matches(f"{section}.{key}", known, n=1, cutoff=0.75)
+    if close:
+        return f"{message}; did you mean {close[0]}?"
+    keys = sorted(place_key.split(".")[1] for place_key in known if place_key.startswith(f"{section}."))
+    return f"{message}; {section} takes {', '.join(keys)}."
+
+
+def checked_value(value, name, label):
+    """`value` of setting `name` checked as its flag checks its text; a SettingsError starting with `label` if wrong."""
+    meta = SETTINGS[name]
+    check = meta["check"]
+    if value is None and meta["nullable"]:
+        return None
+    if check is bool:
+        kind, fits = "true or false", isinstance(value, bool)
+    elif isinstance(check, tuple):
+        kind, fits = f"one of {', '.join(check)}", isinstance(value, str) and value in check
+    elif check in _INTEGER_CHECKS:
+        kind, fits = "an integer", isinstance(value, int) and not isinstance(value, bool)
+    elif check in _NUMBER_CHECKS:
+        kind, fits = "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        kind, fits = "a string", isinstance(value, str)
+    if not fits:
+        # YAML 1.1 reads yes, no, on and off as booleans: Norwegian's code, `no`, among them.
+        quote = isinstance(value, bool) and (check is str or isinstance(check, tuple))
+        hint = " (quote it: YAML reads yes, no, on and off as true or false)" if quote else ""
+        raise SettingsError(f"{label} must be {kind}, got {_shown(value)}{hint}.")
+    if check is bool or check is str or isinstance(check, tuple):
+        return value
+    try:
+        return check(str(value))
+    except argparse.ArgumentTypeError as error:
+        raise SettingsError(f"{label} {error}.") from None
+
+
+def _shown(value):
+    """`value` as a config file writes it: "ten", 8, null, [1, 2]."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):  # YAML's dates, and the like.
+        return repr(value)
+
+
+def _check_model_keys(model_keys, settings, path):
+    """The `model` keys of a --config file (but dropout_rate) must be those of the model `settings` build.
+
+    Those keys describe the model that the preset and the vocabulary size determine: a run's
+    config.json holds them, and passes; another value, which would not be the model trained, fails.
+    """
+    from keras_transformer.model import Transformer
+
+    built = run_dir.model_config(
+        Transformer.from_preset(settings.preset, settings.vocab_size, dropout_rate=settings.dropout)
+    )
+    for key, value in model_keys.items():
+        if value != built[key] or isinstance(value, bool) != isinstance(built[key], bool):
+            raise SettingsError(
+                f"--config {path}: model.{key} is {_shown(value)}, but the {settings.preset} preset with vocab_size "
+                f"{settings.vocab_size} has {_shown(built[key])}: train.py trains the presets' "
+                f"models (leave model.{key} out, or choose another train.preset)."
+            )
+
+
+def _check_no_orphan_state(run):
+    """Refuses a directory holding checkpoints without config.json; takes over a lone vocabulary.
+
+    Runs write config.json before their vocabulary, but earlier versions wrote the
+    vocabulary first: a start interrupted then left only tokenizer.model. Nothing was
+    trained with it, so the run starts with it (its size is checked next).
+    """
+    if (run / run_dir.CHECKPOINT_DIR).exists():
+        raise SettingsError(
+            f"{run} holds {run_dir.CHECKPOINT_DIR} but no {run_dir.CONFIG_FILE}; it is not a run of "
+            "this script: use another --run-dir."
+        )
+    if run_dir.tokenizer_path(run).is_file():
+        logger.warning("%s holds %s but no %s (an interrupted start): starting the run with that vocabulary.",
+                       run, run_dir.TOKENIZER_FILE, run_dir.CONFIG_FILE)
+
+
+def _check_vocabulary(run, vocab_size):
+    """The saved vocabulary, if any, must have `vocab_size` ids (read without TensorFlow ops)."""
+    import sentencepiece
+
+    path = run_dir.tokenizer_path(run)
+    if not path.is_file():
+        return
+    try:
+        saved_size = sentencepiece.SentencePieceProcessor(model_file=str(path)).get_piece_size()
+    except (OSError, RuntimeError) as error:
+        raise SettingsError(f"{path} is not a readable SentencePiece model ({error}).") from None
+    if saved_size != vocab_size:
+        raise SettingsError(
+            f"{path} has {saved_size} ids but --vocab-size is {vocab_size}; use another --run-dir, "
+            "or leave out --vocab-size to continue this run."
+        )
+
+
+def check_replicas(run, settings, replicas):
+    """The number of replicas to record in config.json, after checking that the run may use `replicas`.
+
+    A run resumes where it stopped only on as many replicas as it trained on: the global
+    batch and the data order depend on it (see `keras_transformer.trainer`). Evaluating a
+    finished run works on any number, and keeps the recorded one.
+
+    Raises:
+        SettingsError: When training would continue on another number of replicas.
+    """
+    saved = settings.replicas
+    step = run_dir.checkpoint_step(run_dir.latest_checkpoint(run / run_dir.CHECKPOINT_DIR))
+    if step <= 0:
+        return replicas
+    if step >= settings.train_steps:
+        return saved
+    if saved not in (None, replicas):
+        raise SettingsError(
+            f"{run} trained on {saved} replica(s) up to step {step}, and this command runs {replicas}: a run "
+            f"resumes only on as many replicas, as the global batch and the data order depend on it. Resume it "
+            f"on {saved} replica(s) (see --devices), or use another --run-dir."
+        )
+    return replicas

@@ -1,0 +1,469 @@
+"""The train.py command: flags and their errors, run directories it takes over, what it keeps.
+
+These tests call the command in this process (`keras_transformer.cli.train.main`), or
+run `python train.py` in a subprocess, and the library functions a run is made of
+(`keras_transformer.training_run`).
+"""
+
+import hashlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+from fake_runs import (
+    PAIRS,
+    checkpointed_run,
+    fake_translations,
+    run_command,
+    run_with_checkpoint,
+    validation_corpus,
+)
+from keras_transformer import run_dir, run_settings, training_run
+from keras_transformer.cli import train as train_cli
+from keras_transformer.decoding_settings import DecodingSettings
+from keras_transformer.model import Transformer
+
+
+# --- Checkpoint averaging and translation progress ---------------------------------------
+
+
+@pytest.mark.parametrize("better", ["averaged", "latest"])
+def test_the_average_is_kept_only_if_it_translates_the_validation_set_better(tmp_path, monkeypatch, better):
+    """train.py keeps RUN/averaged only when its validation BLEU is at least the latest's."""
+    checkpointed_run(tmp_path, (10, 20))
+    # Translations stand in for the two checkpoints: the `better` one translates perfectly.
+    fake_translations(monkeypatch, winner=better)
+    settings = run_settings.layered(
+        {"preset": "tiny", "average_last": 2, "bleu_sentences": len(PAIRS), "beam_size": 1, "alpha": 0.6,
+         "max_length": 16}
+    )
+    training_run.average_if_better(tmp_path, validation_corpus(), settings)
+    assert (tmp_path / run_dir.AVERAGED_DIR).exists() == (better == "averaged")
+
+
+def test_average_only_needs_no_data_directory(tmp_path):
+    """A --dataset files run averages without --data-dir: averaging reads no data."""
+    for step in (10, 20):
+        run_with_checkpoint(tmp_path, step=step)
+    config = run_dir.read_config(tmp_path)
+    config["data"] = {"corpus": "files", "source_lang": "en", "target_lang": "de", "vocab_size": 50}
+    config["train"] = {"preset": "tiny"}
+    run_dir.write_config(tmp_path, config)
+    assert train_cli.main(["--run-dir", str(tmp_path), "--average-only", "--average-last", "2"]) == 0
+    assert Path(run_dir.checkpoint_path(tmp_path, "averaged")).name == "ckpt-20"
+
+
+def test_a_run_averaged_on_request_translates_with_the_average(tmp_path):
+    """A `small` run saves --average-last 0; --average-only then makes the average its model, as asked."""
+    for step in (10, 20):
+        run_with_checkpoint(tmp_path, step=step)
+    config = run_dir.read_config(tmp_path)
+    config["data"] = {"corpus": "files", "source_lang": "en", "target_lang": "de", "vocab_size": 50}
+    config["train"] = {"preset": "tiny", "average_last": 0}
+    run_dir.write_config(tmp_path, config)
+    assert Path(run_dir.checkpoint_path(tmp_path, "best")).parent.name == run_dir.CHECKPOINT_DIR
+
+    assert train_cli.main(["--run-dir", str(tmp_path), "--average-only", "--average-last", "2"]) == 0
+
+    assert run_dir.checkpoint_path(tmp_path, "best") == run_dir.checkpoint_path(tmp_path, "averaged")
+    assert run_dir.read_config(tmp_path)["model"] == config["model"]
+
+
+def test_translate_reports_each_batch_and_translates_as_without_a_callback(multi30k_tokenizer):
+    from keras_transformer import evaluation
+
+    model = Transformer.from_preset("tiny", vocab_size=multi30k_tokenizer.vocab_size)
+    model.build()
+    sources = ["a man", "two dogs run on the grass .", "a woman in a red coat", "children", "a boy jumps ."]
+    reports = []
+    options = dict(decoding=DecodingSettings(beam_size=2), batch_size=2)
+    translations = evaluation.translate(
+        model, multi30k_tokenizer, sources, on_batch=lambda done, total: reports.append((done, total)), **options
+    )
+    assert reports == [(2, 5), (4, 5), (5, 5)]  # batches of 2 over 5 sentences
+    assert translations == evaluation.translate(model, multi30k_tokenizer, sources, **options)
+
+
+def test_translation_progress_logs_at_most_every_so_many_seconds(monkeypatch, caplog):
+    clock = iter([100.0, 110.0, 131.0, 140.0, 170.0, 250.0])  # creation, then one reading per batch
+    monkeypatch.setattr(training_run.time, "monotonic", lambda: next(clock))
+    progress = training_run.translation_progress("test sentences", every_seconds=30)
+    with caplog.at_level("INFO", logger="keras_transformer.training_run"):
+        for translated in (64, 128, 192, 256, 300):
+            progress(translated, 300)
+    # 30 s after the start, 30 s after that line; never for the last batch.
+    assert [record.getMessage() for record in caplog.records] == [
+        "  128/300 test sentences translated (31s)",
+        "  256/300 test sentences translated (1m10s)",
+    ]
+
+
+# --- Bad flags ---------------------------------------------------------------------------
+
+
+def _snapshot(directory):
+    return {
+        str(path.relative_to(directory)): (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.fixture
+def existing_run(tmp_path, multi30k_tokenizer):
+    """A run directory as `train.py --preset tiny` leaves it: config.json, tokenizer, a checkpoint."""
+    run = tmp_path / "run"
+    model = Transformer.from_preset("tiny", vocab_size=multi30k_tokenizer.vocab_size)
+    model.build()
+    settings = run_settings.layered({
+        "preset": "tiny",
+        "dataset": "multi30k",
+        "source_lang": "en",
+        "target_lang": "de",
+        "vocab_size": multi30k_tokenizer.vocab_size,
+        "dropout": model.dropout_rate,
+    })
+    run_settings.write_run_config(run, settings, model)
+    multi30k_tokenizer.save(run_dir.tokenizer_path(run))
+    tf.train.Checkpoint(model=model).write(str(run / run_dir.CHECKPOINT_DIR / "ckpt-100"))
+    return run
+
+
+def _assert_one_line_error(exit_code, stderr, *fragments):
+    assert exit_code == 2
+    assert "Traceback" not in stderr, stderr[-2000:]
+    lines = stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("train.py: error:"), stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "flags, fragments",
+    [
+        (["--preset", "small"], ["trained with --preset tiny, not small"]),
+        (["--vocab-size", "1000"], ["trained with --vocab-size 4000, not 1000"]),
+        (["--token-budget", "2048"], ["trained with --token-budget 1024, not 2048"]),
+        (["--dataset", "wmt14"], ["trained with --dataset multi30k, not wmt14"]),
+    ],
+    ids=["preset", "vocabulary", "token-budget", "dataset"],
+)
+def test_flags_conflicting_with_the_run_fail_before_anything_is_written(existing_run, capsys, flags, fragments):
+    before = _snapshot(existing_run)
+    exit_code = train_cli.main(["--run-dir", str(existing_run), *flags])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, *fragments)
+    assert _snapshot(existing_run) == before
+
+
+def test_a_vocabulary_that_does_not_match_the_config_is_refused(existing_run, capsys):
+    config = run_dir.read_config(existing_run)
+    config["data"]["vocab_size"] = 8000
+    run_dir.write_config(existing_run, config)
+    before = _snapshot(existing_run)
+    exit_code = train_cli.main(["--run-dir", str(existing_run)])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "has 4000 ids but --vocab-size is 8000")
+    assert _snapshot(existing_run) == before
+
+
+def test_checkpoints_without_config_are_not_taken_over(tmp_path, capsys):
+    (tmp_path / "checkpoints").mkdir()
+    exit_code = train_cli.main(["--run-dir", str(tmp_path), "--preset", "tiny"])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "no config.json")
+    assert [path.name for path in tmp_path.iterdir()] == ["checkpoints"]
+
+
+@pytest.mark.slow
+def test_missing_data_is_one_line_in_a_real_process(existing_run):
+    before = _snapshot(existing_run)
+    result = run_command(
+        [sys.executable, "train.py", "--run-dir", str(existing_run), "--data-dir", "/nonexistent/multi30k"]
+    )
+    _assert_one_line_error(result.returncode, result.stderr, "Multi30k directory /nonexistent/multi30k", "lacks")
+    assert _snapshot(existing_run) == before
+
+
+def test_unknown_preset_is_a_usage_error(tmp_path):
+    result = run_command([sys.executable, "train.py", "--preset", "huge", "--run-dir", str(tmp_path / "run")])
+    assert result.returncode == 2 and "invalid choice: 'huge'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_average_last_beyond_the_kept_checkpoints_is_refused(tmp_path, capsys):
+    """tiny keeps 3 checkpoints: averaging 5 would silently average 3."""
+    flags = ["--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--average-last", "5"]
+    exit_code = train_cli.main(flags)
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "--average-last 5", "--keep-checkpoints is 3")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_language_the_corpus_lacks_fails_before_anything_is_written(tmp_path, capsys):
+    exit_code = train_cli.main(["--run-dir", str(tmp_path / "run"), "--source-lang", "fr"])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "--dataset multi30k translates between en and de")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("text", ["{\"model\": {", "[1, 2]"], ids=["truncated", "not-an-object"])
+def test_a_damaged_config_is_one_line(existing_run, capsys, text):
+    (existing_run / run_dir.CONFIG_FILE).write_text(text)
+    exit_code = train_cli.main(["--run-dir", str(existing_run)])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, str(existing_run / run_dir.CONFIG_FILE), "damaged")
+
+
+@pytest.mark.parametrize("value", ["-1", str(2**32)])
+def test_a_seed_out_of_numpys_range_is_a_usage_error(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as raised:
+        train_cli.main(["--run-dir", str(tmp_path / "run"), "--seed", value])
+    assert raised.value.code == 2
+    assert f"argument --seed: must be an integer from 0 to {2**32 - 1}, got {value}" in capsys.readouterr().err
+
+
+def test_help_gives_the_presets_defaults_and_the_papers_values():
+    help_text = " ".join(train_cli.build_parser().format_help().split())
+    assert "[the preset's: tiny 100, small 1600, medium 1000, base 4000, big 4000] The paper: 4000." in help_text
+    assert "[the preset's: tiny 1, small 2, medium 1.5, base 1, big 1] The paper: 1." in help_text
+
+
+@pytest.mark.parametrize(
+    "tf_config, message",
+    [
+        ("not json", "TF_CONFIG is not valid JSON"),
+        ("[1, 2]", "TF_CONFIG must be a JSON object such as"),
+        ('{"cluster": {"worker": "h:1,h:2"}, "task": {"type": "worker", "index": 0}}', "TF_CONFIG must be"),
+    ],
+    ids=["not-json", "not-an-object", "tasks-not-a-list"],
+)
+def test_a_malformed_tf_config_is_one_line(tmp_path, capsys, monkeypatch, tf_config, message):
+    monkeypatch.setenv("TF_CONFIG", tf_config)
+    exit_code = train_cli.main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny"])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, message)
+
+
+@pytest.mark.parametrize("devices", ["", ",", " , "])
+def test_devices_that_name_no_device_are_one_line(tmp_path, capsys, devices):
+    exit_code = train_cli.main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--devices", devices])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, f"--devices {devices!r} names no device")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_missing_gpu_is_one_line_in_a_real_process(tmp_path):
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("this machine has a GPU")
+    result = run_command([sys.executable, "train.py", "--run-dir", str(tmp_path / "run"), "--devices", "GPU:0"])
+    _assert_one_line_error(result.returncode, result.stderr, "--devices GPU:0: Device GPU:0 does not exist")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_that_is_a_file_is_one_line_before_any_work(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("mine")
+    result = run_command([sys.executable, "train.py", "--run-dir", str(path), "--preset", "tiny"])
+    _assert_one_line_error(result.returncode, result.stderr, f"--run-dir {path} is a file, not a directory.")
+    assert path.read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_a_vocabulary_too_small_for_the_text_is_one_line(tmp_path, multi30k_dir):
+    run = tmp_path / "run"
+    result = run_command([sys.executable, "train.py", "--run-dir", str(run), "--preset", "tiny", "--vocab-size", "100",
+                          "--data-dir", str(multi30k_dir)])
+    _assert_one_line_error(result.returncode, result.stderr, "--vocab-size 100 is too small for the multi30k",
+                           "or more")
+    assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-length", "1"], "--max-length 1 leaves no room for a token and EOS"),
+        (["--beam-size", "17"], "--beam-size is at most 16, got 17"),
+    ],
+    ids=["max-length", "beam-size"],
+)
+def test_settings_no_translator_could_use_fail_before_anything_is_written(tmp_path, capsys, flags, message):
+    exit_code = train_cli.main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", *flags])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, message)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_epochs_must_be_a_finite_positive_number(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as raised:
+        train_cli.main(["--run-dir", str(tmp_path / "run"), "--epochs", value])
+    assert raised.value.code == 2
+    assert f"argument --epochs: must be a positive number, got {value}" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length_flags", [["--train-steps", "5"], ["--epochs", "1"]], ids=["steps", "epochs"])
+def test_a_corpus_without_a_pair_short_enough_is_one_line(tmp_path, multi30k_dir, length_flags):
+    """Every Multi30k sentence has more than 2 subword tokens, so --max-length 3 keeps no pair."""
+    from keras_transformer.corpora import load_multi30k
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    pairs = load_multi30k(multi30k_dir).train[:300]
+    for side, lang in enumerate(("en", "de")):
+        (data_dir / f"train.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs))
+    run = tmp_path / "run"
+    result = run_command([
+        sys.executable, "train.py", "--run-dir", str(run), "--preset", "tiny", "--dataset", "files",
+        "--data-dir", str(data_dir), "--source-lang", "en", "--target-lang", "de", "--vocab-size", "400",
+        "--max-length", "3", "--token-budget", "64", *length_flags,
+    ])
+    _assert_one_line_error(
+        result.returncode, result.stderr, "No training pair is left", "longer than --max-length 3 allows (2 tokens)",
+        f"delete {run} first",
+    )
+
+
+def _files_corpus(directory, files):
+    directory.mkdir()
+    for name, text in files.items():
+        (directory / name).write_bytes(text)
+    return ["--dataset", "files", "--data-dir", str(directory), "--source-lang", "en", "--target-lang", "de"]
+
+
+def test_a_training_text_without_a_usable_line_is_one_line(tmp_path, capsys):
+    """Every line empty or not UTF-8: SentencePiece has nothing to learn from (its message ends in "] ")."""
+    flags = _files_corpus(tmp_path / "data", {"train.en": b"\n \n\xff\xfe\n", "train.de": b"\nzwei\ndrei\n"})
+    exit_code = train_cli.main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", *flags])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "training text has no sentence to learn a vocabulary")
+
+
+def test_a_split_with_only_one_of_its_files_is_one_line(tmp_path, capsys):
+    """val.en next to a misnamed German file: not a run without validation, but an error naming the file."""
+    files = {"train.en": b"A dog.\n", "train.de": b"Ein Hund.\n", "val.en": b"A cat.\n", "valid.de": b"Eine Katze.\n"}
+    flags = _files_corpus(tmp_path / "data", files)
+    exit_code = train_cli.main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", *flags])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "has val.en but not val.de")
+    assert not (tmp_path / "run").exists()
+
+
+# --- Interrupted, stopped and resumed runs -----------------------------------------------
+
+
+def _interrupting_train(*flags):
+    """`python -c` code: train.py with `flags`, interrupted (Ctrl-C) as its Trainer is created."""
+    return [
+        sys.executable, "-c",
+        "import sys, train, keras_transformer.trainer as trainer\n"
+        "def interrupt(*args, **kwargs):\n"
+        "    raise KeyboardInterrupt\n"
+        "trainer.Trainer = interrupt\n"
+        f"sys.exit(train.main({list(flags)!r}))\n",
+    ]
+
+
+@pytest.mark.slow
+def test_a_start_interrupted_after_the_vocabulary_is_resumed(tmp_path, multi30k_dir):
+    """Ctrl-C right after the vocabulary is learned; the same command takes the run up again.
+
+    Also a directory left so by earlier versions (a vocabulary without config.json).
+    """
+    run = tmp_path / "run"
+    command = _interrupting_train("--run-dir", str(run), "--preset", "tiny", "--vocab-size", "1000",
+                                  "--data-dir", str(multi30k_dir))
+    first = run_command(command)
+    assert first.returncode == 130, first.stderr[-3000:]
+    assert "run the same command to resume" in first.stderr
+    assert (run / run_dir.CONFIG_FILE).is_file() and run_dir.tokenizer_path(run).is_file()
+    assert run_dir.read_config(run)["data"]["vocab_size"] == 1000
+    vocabulary = _snapshot(run)[run_dir.TOKENIZER_FILE]
+
+    again = run_command(command)
+    assert again.returncode == 130, again.stderr[-3000:]
+    assert _snapshot(run)[run_dir.TOKENIZER_FILE] == vocabulary  # Taken up, not learned again.
+    # Its settings are pinned like those of any run.
+    other = run_command([sys.executable, "train.py", "--run-dir", str(run), "--seed", "1"])
+    _assert_one_line_error(other.returncode, other.stderr, "trained with --seed 0, not 1")
+
+    (run / run_dir.CONFIG_FILE).unlink()  # As earlier versions left it.
+    legacy = run_command(command)
+    assert legacy.returncode == 130, legacy.stderr[-3000:]
+    assert "an interrupted start" in legacy.stderr
+    assert _snapshot(run)[run_dir.TOKENIZER_FILE] == vocabulary
+
+
+@pytest.mark.slow
+def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir):
+    """A run stopped by --max-minutes ends with its step and how to continue it."""
+    from keras_transformer.corpora import load_multi30k
+
+    corpus = load_multi30k(multi30k_dir)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    for split, pairs in (("train", corpus.train[:3000]), ("val", corpus.validation[:4]), ("test", corpus.test[:4])):
+        for side, lang in enumerate(("en", "de")):
+            (data_dir / f"{split}.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs))
+    result = run_command([
+        sys.executable, "train.py", "--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--dataset", "files",
+        "--data-dir", str(data_dir), "--source-lang", "en", "--target-lang", "de", "--vocab-size", "1000",
+        "--max-length", "64", "--max-minutes", "0.0001", "--bleu-sentences", "0", "--beam-size", "1",
+    ])
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Its one step traced the step function, so it was not timed: no speed rather than 0 tokens/s.
+    assert re.search(r"^Trained steps 1-1 in \S+\.$", result.stderr, re.MULTILINE), result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"The time budget \(--max-minutes 0.0001\) stopped the run at step 1 of 200; run the same command again "
+        r"to continue training from there\.", last
+    ), last
+
+
+@pytest.mark.parametrize(
+    "saved, step, train_steps, replicas, expected",
+    [
+        (None, None, 200, 2, 2),  # A new run records its replicas.
+        (1, 100, 200, 1, 1),  # Resumed on as many.
+        (None, 100, 200, 2, 2),  # A run of an earlier version: from now on, on 2.
+        (2, 200, 200, 1, 2),  # Evaluating a finished run works on any number, and keeps the record.
+        (2, 100, 200, 1, "trained on 2 replica(s) up to step 100, and this command runs 1"),
+    ],
+    ids=["new", "same", "unrecorded", "finished", "other"],
+)
+def test_a_run_resumes_only_on_as_many_replicas(tmp_path, saved, step, train_steps, replicas, expected):
+    if step is not None:
+        run_with_checkpoint(tmp_path, step=step)
+    settings = run_settings.layered({"preset": "tiny", "replicas": saved, "train_steps": train_steps})
+    if isinstance(expected, int):
+        assert run_settings.check_replicas(tmp_path, settings, replicas) == expected
+    else:
+        with pytest.raises(run_settings.SettingsError, match=re.escape(expected)):
+            run_settings.check_replicas(tmp_path, settings, replicas)
+
+
+@pytest.mark.slow
+def test_resuming_on_another_number_of_replicas_is_one_line_in_a_real_process(existing_run):
+    """The run trained 100 of its 200 steps on 2 replicas; this command has 1 (the CPU)."""
+    config = run_dir.read_config(existing_run)
+    config["train"]["replicas"] = 2
+    run_dir.write_config(existing_run, config)
+    tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=run_dir.build_model(existing_run)), str(existing_run / run_dir.CHECKPOINT_DIR), 3
+    ).save(checkpoint_number=100)
+    before = _snapshot(existing_run)
+    result = run_command([sys.executable, "train.py", "--run-dir", str(existing_run)])
+    _assert_one_line_error(result.returncode, result.stderr, "trained on 2 replica(s) up to step 100")
+    assert _snapshot(existing_run) == before
+
+
+@pytest.mark.slow
+def test_a_finished_run_extended_by_epochs_checks_its_replicas(existing_run, multi30k_dir):
+    """Finished at step 100 on 2 replicas; --epochs 1 means more steps, and this command has 1 replica."""
+    config = run_dir.read_config(existing_run)
+    config["train"].update(replicas=2, train_steps=100)
+    run_dir.write_config(existing_run, config)
+    tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=run_dir.build_model(existing_run)), str(existing_run / run_dir.CHECKPOINT_DIR), 3
+    ).save(checkpoint_number=100)
+    before = _snapshot(existing_run)
+    result = run_command([sys.executable, "train.py", "--run-dir", str(existing_run), "--data-dir", str(multi30k_dir),
+                          "--epochs", "1"])
+    _assert_one_line_error(result.returncode, result.stderr, "trained on 2 replica(s) up to step 100")
+    assert _snapshot(existing_run) == before
