@@ -80,14 +80,9 @@ def cpu_model() -> str:
 
 
 def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    from keras_transformer import precision  # Standard library only: TensorFlow may load later.
+
+    return set(precision.cpu_flags())
 
 
 def machine_folder(model: str | None = None, flags: set[str] | None = None) -> str:

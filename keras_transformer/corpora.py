@@ -400,6 +400,7 @@ class CorpusEntry:
         vocab_size: Size of the shared vocabulary learned on it.
         max_length: Longest training sequence in tokens (the training length cap).
         load: `(data_dir, *, source_lang, target_lang, download, seed) -> ParallelCorpus`.
+        data_dir: What its `data_dir` (`--data-dir`) is, for help texts.
         needs_data_dir: Whether `data_dir` must be given (it has no default place).
     """
 
@@ -409,19 +410,29 @@ class CorpusEntry:
     vocab_size: int
     max_length: int
     load: Callable[..., ParallelCorpus]
+    data_dir: str
     needs_data_dir: bool = False
 
 
 CORPORA = {
     entry.name: entry
     for entry in (
-        CorpusEntry("multi30k", "EN-DE image captions", MULTI30K_LANGUAGES, 8000, 128, _load_multi30k),
+        CorpusEntry(
+            "multi30k", "EN-DE image captions", MULTI30K_LANGUAGES, 8000, 128, _load_multi30k,
+            data_dir=f"its directory (default: ${MULTI30K_ENV}, then ~/.keras/datasets/multi30k, then a download)",
+        ),
         # The paper's data, with its ~37000 shared tokens.
-        CorpusEntry("wmt14", "EN-DE, TFDS, the paper's", ("en", "de"), 37000, 256, _load_tfds_corpus("load_wmt14")),
-        CorpusEntry("ted_pt_en", "TFDS", ("pt", "en"), 8000, 256, _load_tfds_corpus("load_ted_pt_en")),
+        CorpusEntry(
+            "wmt14", "EN-DE, TFDS, the paper's", ("en", "de"), 37000, 256, _load_tfds_corpus("load_wmt14"),
+            data_dir="a TFDS data directory",
+        ),
+        CorpusEntry(
+            "ted_pt_en", "TFDS", ("pt", "en"), 8000, 256, _load_tfds_corpus("load_ted_pt_en"),
+            data_dir="a TFDS data directory",
+        ),
         CorpusEntry(
             "files", "DIR/{train,val,test}.LANG text files in --data-dir", None, 8000, 256, _load_files,
-            needs_data_dir=True,
+            data_dir="the directory of its files (required)", needs_data_dir=True,
         ),
     )
 }

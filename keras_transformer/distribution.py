@@ -277,6 +277,21 @@ def any_worker(strategy, flag):
 _COUNT_TRUE = weakref.WeakKeyDictionary()
 
 
+def chief_choice(strategy, index, choices):
+    """The chief's `index` (one of `range(choices)`) on every worker: a collective, so every worker must call it.
+
+    For what each worker could decide differently (a measurement, its own devices), so that
+    all decide as the chief did. With a single worker this is `index` itself.
+    """
+    if num_workers(strategy) == 1:
+        return index
+    vote = tf.one_hot(index if is_chief(strategy) else -1, choices)  # -1: a row of zeros.
+    reduce = tf.function(
+        lambda value: strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(tf.identity, args=(value,)), axis=None)
+    )
+    return int(tf.argmax(reduce(vote)))
+
+
 def barrier(strategy):
     """Blocks until every worker got here (e.g. until the chief wrote shared files)."""
     any_worker(strategy, False)

@@ -24,6 +24,7 @@ from keras_transformer.attention import spec_like
 from keras_transformer.blocks import DecoderLayer, EncoderLayer, LayerNormalization, check_model_dims, rowwise
 from keras_transformer.dropout import Dropout
 from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding, max_positions_argument
+from keras_transformer.recipes import get_preset
 
 
 class _Stack(keras.layers.Layer):
@@ -288,8 +289,6 @@ class Transformer(keras.Model):
     @classmethod
     def from_preset(cls, preset, vocab_size, **overrides):
         """Builds a model of a named size ("tiny", "small", "base", "big", ...); see `keras_transformer.recipes`."""
-        from keras_transformer.recipes import get_preset  # Recipes import decoding, which serves this model.
-
         config = get_preset(preset)
         config.update(overrides)
         return cls(vocab_size=vocab_size, **config)

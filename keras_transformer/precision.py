@@ -7,14 +7,14 @@ the devices the run trains on:
 * GPUs of compute capability 8.0 or more (Ampere and later) compute bfloat16 natively:
   `bf16`, which needs no loss scaling. Older GPUs: `fp16` (their tensor cores are float16's).
 * CPUs with AMX (`amx_bf16`) or AVX512_BF16 may compute bfloat16 faster than float32, or
-  not: on one AMD EPYC bf16 matmuls ran 1.8x as fast as float32, on one Intel Xeon half
-  as fast (docs/performance.md). So `auto` measures it, a matmul in each precision (a
-  fraction of a second), and takes `bf16` where it is at least `MIN_BF16_SPEEDUP` times
-  as fast. Not with `--jit-compile`: XLA's CPU backend has no bfloat16 kernels, and bf16
-  steps ran slower than float32 under it.
+  slower: it differs from CPU to CPU (docs/performance.md). So `auto` measures it, a
+  matmul in each precision (a fraction of a second), and takes `bf16` where it is at
+  least `MIN_BF16_SPEEDUP` times as fast. Not with `--jit-compile`: XLA's CPU backend has
+  no bfloat16 kernels, and bf16 steps ran slower than float32 under it.
 * Any other CPU: `none`. Without native bfloat16 the conversions cost more than they save.
 
-The choice and its reason are logged and saved in the run's config.json
+In a multi-worker run the chief decides for all (`training_run.choose_precision`). The
+choice and its reason are logged and saved in the run's config.json
 (`train.mixed_precision`, `train.precision_reason`); a resumed run keeps its precision.
 """
 
@@ -40,12 +40,14 @@ class Devices:
     """What `auto` looks at.
 
     Attributes:
-        gpu_capabilities: The compute capabilities of the run's GPUs; none when it runs on CPUs.
+        on_gpus: Whether the run trains on GPUs.
+        gpu_capabilities: The compute capabilities of the run's GPUs (those reported).
         cpu_flags: The CPU's feature flags.
         cpu_bf16_speedup: How many times as fast a bf16 matmul ran as a float32 one on
             this CPU (`measure_bf16_speedup`); None when not measured.
     """
 
+    on_gpus: bool = False
     gpu_capabilities: tuple[tuple[int, int], ...] = ()
     cpu_flags: frozenset[str] = frozenset()
     cpu_bf16_speedup: float | None = None
@@ -78,7 +80,9 @@ def resolve(requested, devices, jit_compile=False):
         raise ValueError(f"mixed_precision must be one of {', '.join(CHOICES)}, got {requested!r}.")
     if requested != AUTO:
         return Precision(requested, "asked for")
-    if devices.gpu_capabilities:
+    if devices.on_gpus and not devices.gpu_capabilities:
+        return Precision("none", "auto: the GPUs report no compute capability")
+    if devices.on_gpus:
         oldest = min(devices.gpu_capabilities)
         shown = f"{oldest[0]}.{oldest[1]}"
         if oldest >= BF16_GPU_CAPABILITY:
@@ -119,7 +123,7 @@ def local_devices(strategy):
     if any("gpu" in name for name in names):
         details = (tf.config.experimental.get_device_details(gpu) for gpu in tf.config.list_physical_devices("GPU"))
         capabilities = tuple(tuple(info["compute_capability"]) for info in details if info.get("compute_capability"))
-        return Devices(gpu_capabilities=capabilities)
+        return Devices(on_gpus=True, gpu_capabilities=capabilities)
     flags = cpu_flags() if platform.system() == "Linux" else frozenset()
     speedup = measure_bf16_speedup() if any(flag in flags for flag in BF16_CPU_FLAGS) else None
     return Devices(cpu_flags=flags, cpu_bf16_speedup=speedup)

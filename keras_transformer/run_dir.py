@@ -127,7 +127,7 @@ def build_model(run_dir, dtype=None):
     """A `Transformer` with the architecture of `run_dir`, built, with fresh weights."""
     config = read_config(run_dir)
     if not isinstance(config.get("model"), dict):
-        # train.py writes the data and training settings first, the model once it is built.
+        # A run writes its data and training settings first, the model once it is built.
         raise RunDirError(f"{run_dir} holds no trained model yet: its {CONFIG_FILE} has no model section.")
     kwargs = config["model"]
     if dtype is not None:
@@ -348,17 +348,21 @@ def decoding_settings(run_dir):
     """The `DecodingSettings` the run translates with (those of its validation and test BLEU).
 
     Returns:
-        `DecodingSettings` with the beam size and length penalty saved in config.json's
-        "train" section; a setting the run did not save keeps its default.
+        The decoding settings of the run's recipe (`train.preset`; the defaults for an
+        unknown one), with the beam size and length penalty saved in config.json's
+        "train" section (what `RunSettings.decoding` gives the run itself).
 
     Raises:
         RunDirError: When config.json is missing or damaged.
         ValueError: For a saved setting out of range.
     """
     from keras_transformer.decoding_settings import DecodingSettings  # Standard library only.
+    from keras_transformer.recipes import RECIPES
 
     train = read_config(run_dir).get("train", {})
-    return DecodingSettings().replace(beam_size=train.get("beam_size"), alpha=train.get("alpha"))
+    recipe = RECIPES.get(train.get("preset"))
+    decoding = recipe.decoding if recipe else DecodingSettings()
+    return decoding.replace(beam_size=train.get("beam_size"), alpha=train.get("alpha"))
 
 
 def tokenizer_path(run_dir):

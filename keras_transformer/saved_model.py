@@ -45,9 +45,12 @@ import tensorflow as tf
 
 from keras_transformer.signatures import (
     OPTIONS_SIGNATURE,
+    SCORE,
     SERVING_SIGNATURE,
     SIGNATURES,
+    TEXT,
     TRANSLATE_WITH_OPTIONS,
+    TRANSLATION,
     options_request,
 )
 from keras_transformer.translator import Translator
@@ -168,7 +171,7 @@ def warmup_records(model_name, sentence_batches):
         request = predict_pb2.PredictRequest()
         request.model_spec.name = model_name
         request.model_spec.signature_name = SERVING_SIGNATURE
-        request.inputs["text"].CopyFrom(tf.make_tensor_proto(np.array(batch, dtype=object), dtype=tf.string))
+        request.inputs[TEXT.name].CopyFrom(tf.make_tensor_proto(np.array(batch, dtype=object), dtype=tf.string))
         log = prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=request))
         records.append(log.SerializeToString())
     return records
@@ -253,7 +256,7 @@ def _check_warmup_requests(loaded, path):
             raise ExportError(f"{path.name} asks for a signature {request.model_spec.signature_name!r}.")
         inputs = {name: tf.make_ndarray(tensor) for name, tensor in request.inputs.items()}
         outputs = loaded.signatures[request.model_spec.signature_name](**inputs)
-        if any(len(value) != len(inputs["text"]) for value in outputs.values()):
+        if any(len(value) != len(inputs[TEXT.name]) for value in outputs.values()):
             raise ExportError(f"{path.name}: a request of {len(inputs['text'])} rows is answered with other sizes.")
     return f"assets.extra/{WARMUP_FILE}: its {len(records)} PredictionLog requests are answered"
 
@@ -282,9 +285,9 @@ def _dtypes_and_shapes(specs):
 
 
 def _check_same(found, expected, what, tolerance=1e-6):
-    translations = found["translation"].numpy()
-    if not np.array_equal(translations, expected["translation"].numpy()):
+    translations = found[TRANSLATION.name].numpy()
+    if not np.array_equal(translations, expected[TRANSLATION.name].numpy()):
         raise ExportError(f"{what}: the translations differ.")
-    scores, expected_scores = found["score"].numpy(), expected["score"].numpy()
+    scores, expected_scores = found[SCORE.name].numpy(), expected[SCORE.name].numpy()
     if not np.allclose(scores, expected_scores, rtol=tolerance, atol=tolerance):
         raise ExportError(f"{what}: the scores differ.")

@@ -28,7 +28,7 @@ import json
 import urllib.error
 import urllib.request
 
-from keras_transformer.signatures import OPTIONS_SIGNATURE, SERVING_SIGNATURE, SIGNATURES
+from keras_transformer.signatures import OPTIONS_SIGNATURE, SERVING_SIGNATURE, SIGNATURES, TEXT
 
 
 class ServingError(RuntimeError):
@@ -45,7 +45,7 @@ def rest_payload(sentences, options=None):
     name = signature_name(options)
     if SIGNATURES[name].batched:
         return {"signature_name": name, "instances": list(sentences)}
-    return {"signature_name": name, "inputs": {"text": list(sentences), **options}}
+    return {"signature_name": name, "inputs": {TEXT.name: list(sentences), **options}}
 
 
 def translate_rest(server, model, sentences, *, options=None, version=None, timeout=60.0):
@@ -115,7 +115,7 @@ def translate_grpc(server, model, sentences, *, options=None, version=None, time
     request.model_spec.signature_name = signature_name(options)
     if version is not None:
         request.model_spec.version.value = version
-    request.inputs["text"].CopyFrom(
+    request.inputs[TEXT.name].CopyFrom(
         tf.make_tensor_proto([s.encode() for s in sentences], dtype=tf.string)
     )
     dtypes = SIGNATURES[request.model_spec.signature_name].input_dtypes()

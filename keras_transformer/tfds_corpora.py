@@ -19,6 +19,7 @@ import urllib.request
 import tensorflow as tf
 
 from keras_transformer.corpora import (
+    CORPORA,
     DatasetUnavailableError,
     MissingPackageError,
     Pair,
@@ -30,8 +31,6 @@ logger = logging.getLogger(__name__)
 
 WMT14_TFDS_NAME = "wmt14_translate/de-en"
 TED_PT_EN_TFDS_NAME = "ted_hrlr_translate/pt_to_en"
-WMT14_LANGUAGES = ("en", "de")
-TED_PT_EN_LANGUAGES = ("pt", "en")
 
 
 def load_wmt14(
@@ -61,7 +60,7 @@ def load_wmt14(
         DatasetUnavailableError: When the data is not prepared and cannot be downloaded.
     """
     return _load_tfds(
-        WMT14_TFDS_NAME, WMT14_LANGUAGES, data_dir, source_lang, target_lang, download, seed
+        WMT14_TFDS_NAME, CORPORA["wmt14"].languages, data_dir, source_lang, target_lang, download, seed
     )
 
 
@@ -89,7 +88,7 @@ def load_ted_pt_en(
         DatasetUnavailableError: When the data is not prepared and cannot be downloaded.
     """
     return _load_tfds(
-        TED_PT_EN_TFDS_NAME, TED_PT_EN_LANGUAGES, data_dir, source_lang, target_lang, download, seed
+        TED_PT_EN_TFDS_NAME, CORPORA["ted_pt_en"].languages, data_dir, source_lang, target_lang, download, seed
     )
 
 

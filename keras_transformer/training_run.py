@@ -143,10 +143,17 @@ def _log_early_stop(result, settings):
 
 
 def choose_precision(settings, strategy):
-    """`settings` with `--mixed-precision auto` resolved for the devices of `strategy`, and why, logged."""
+    """`settings` with `--mixed-precision auto` resolved for the devices of `strategy`, and why, logged.
+
+    Every worker resolves it on its own devices, and all take the chief's choice: workers
+    must compute alike (fp16's loss scaling is a collective of its own).
+    """
     if settings.mixed_precision == precision.AUTO:
         chosen = precision.resolve(precision.AUTO, precision.local_devices(strategy), settings.jit_compile)
-        settings = settings.replace(mixed_precision=chosen.name, precision_reason=chosen.reason)
+        names = list(precision.DTYPE_POLICIES)
+        agreed = names[distribution.chief_choice(strategy, names.index(chosen.name), len(names))]
+        reason = chosen.reason if agreed == chosen.name else f"{chosen.reason}; the chief chose {agreed}"
+        settings = settings.replace(mixed_precision=agreed, precision_reason=reason)
     elif settings.precision_reason is None:
         settings = settings.replace(precision_reason=f"--mixed-precision {settings.mixed_precision}")
     logger.info("Precision: %s (%s): %s.", settings.mixed_precision, precision.DTYPE_POLICIES[settings.mixed_precision],

@@ -195,8 +195,8 @@ class Translator(tf.Module):
         else:
             best = self._search(source_ids)
         return {
-            "translation": tf.where(blank, "", self._detokenize(best.tokens)),
-            "score": tf.where(blank, 0.0, best.scores),
+            signature_table.TRANSLATION.name: tf.where(blank, "", self._detokenize(best.tokens)),
+            signature_table.SCORE.name: tf.where(blank, 0.0, best.scores),
         }
 
     @tf.function(input_signature=_input_specs(signature_table.TRANSLATE_WITH_OPTIONS), autograph=False)
@@ -257,10 +257,10 @@ class Translator(tf.Module):
         translations = tf.where(blank[:, None], "", translations)
         scores = tf.where(blank[:, None], tf.where(only_first, 0.0, NEG_INF), hypotheses.scores)
         return {
-            "translation": translations[:, 0],
-            "score": scores[:, 0],
-            "translations": translations,
-            "scores": scores,
+            signature_table.TRANSLATION.name: translations[:, 0],
+            signature_table.SCORE.name: scores[:, 0],
+            signature_table.TRANSLATIONS.name: translations,
+            signature_table.SCORES.name: scores,
         }
 
     def _search(self, source_ids):

@@ -23,6 +23,7 @@ COMMANDS = {
     "kt-train": [sys.executable, "train.py"],
     "kt-translate": [sys.executable, "translate.py"],
     "kt-export": [sys.executable, "-m", "export"],
+    "kt-client": [sys.executable, "-m", "export.client"],
 }
 
 
@@ -34,7 +35,7 @@ def _flags(help_text):
     return sorted({word.rstrip(",.]") for word in help_text.split() if word.startswith("--")})
 
 
-def test_the_package_installs_one_top_level_module_and_the_three_commands():
+def test_the_package_installs_one_top_level_module_and_the_four_commands():
     distribution = importlib.metadata.distribution("keras-transformer")
     assert distribution.read_text("top_level.txt").split() == ["keras_transformer"]
     scripts = {entry.name: entry.value for entry in distribution.entry_points if entry.group == "console_scripts"}
@@ -42,6 +43,7 @@ def test_the_package_installs_one_top_level_module_and_the_three_commands():
         "kt-train": "keras_transformer.cli.train:main",
         "kt-translate": "keras_transformer.cli.translate:main",
         "kt-export": "keras_transformer.cli.export:main",
+        "kt-client": "keras_transformer.cli.client:main",
     }
 
 

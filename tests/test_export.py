@@ -1,21 +1,13 @@
-"""The exported SavedModel: layout, signatures, a TF-only process, bad inputs, clients, CLIs.
+"""The exported SavedModel: TF Serving's layout, the self-check and warmup requests, the signatures,
+a process with only TensorFlow, bad inputs, XLA, the export's own decoding settings, translate.py.
 
-TF Serving itself cannot run here (no Docker); the REST and gRPC clients are tested
-against local servers on 127.0.0.1 that evaluate the SavedModel, so the request and
-response formats are exercised end to end.
+Serving it (the REST and gRPC clients, the client CLI, TF Serving's configs) is tested in test_serving.py.
 """
 
-import contextlib
-import http.server
-import io
 import json
 import re
-import socket
 import subprocess
 import sys
-import threading
-from concurrent import futures
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,57 +15,14 @@ import tensorflow as tf
 import tensorflow_text  # noqa: F401
 
 from keras_transformer import decoding, run_dir, saved_model, serving_client, signatures
-from keras_transformer.cli import client as client_cli
 from keras_transformer.decoding import DecodingSettings
 from keras_transformer.translator import Translator
 from cli_modules import load_translate_cli  # noqa: E402
+pytest.register_assert_rewrite("export_fixtures")  # before importing it: it is a plugin (pytest_plugins below)
+from export_fixtures import BAD_INPUTS, LONG_TEXT, MODEL_NAME, REPO, translate  # noqa: E402
 
+pytest_plugins = ["export_fixtures"]  # sentences, exported, served, translator, served_beam_2
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[1]
-MODEL_NAME = "transformer"
-
-
-@pytest.fixture(scope="module")
-def sentences(multi30k_dir):
-    """16 Multi30k validation sources."""
-    from keras_transformer.corpora import load_multi30k
-
-    return [source for source, _ in load_multi30k(multi30k_dir).validation[:16]]
-
-
-@pytest.fixture(scope="module")
-def exported(tiny_translation_run, sentences, tmp_path_factory):
-    """`(version directory, log lines)` of the tiny run exported under models/transformer."""
-    base = tmp_path_factory.mktemp("models") / MODEL_NAME
-    lines = []
-    version_dir = saved_model.export_run(
-        tiny_translation_run, base, check_sentences=sentences[:4], log=lines.append
-    )
-    return version_dir, lines
-
-
-@pytest.fixture(scope="module")
-def translator(tiny_translation_run):
-    return Translator.from_run_dir(tiny_translation_run)
-
-
-@pytest.fixture(scope="module")
-def served(exported):
-    """The reloaded SavedModel's signatures."""
-    return tf.saved_model.load(str(exported[0])).signatures
-
-
-def translate(signature, texts, **options):
-    inputs = {"text": tf.constant(texts, dtype=tf.string)}
-    if options:
-        inputs.update(
-            beam_size=tf.constant(options["beam_size"]),
-            alpha=tf.constant(options["alpha"], tf.float32),
-            max_length=tf.constant(options["max_length"]),
-            min_length=tf.constant(options.get("min_length", -1)),  # -1: the translator's own
-        )
-    return {name: value.numpy() for name, value in signature(**inputs).items()}
 
 
 # ---------------------------------------------------------------------------
@@ -276,15 +225,6 @@ def test_a_process_with_only_tensorflow_translates_like_the_in_process_translato
 # Bad inputs, against the reloaded model
 # ---------------------------------------------------------------------------
 
-LONG_TEXT = "word " * 2000  # 10000 characters, far more tokens than the input limit
-BAD_INPUTS = [
-    b"",
-    b"   \t ",
-    LONG_TEXT.encode(),
-    b"A \xff\xfe dog \xc3\x28 runs.",  # invalid UTF-8
-    "Ein 🐕 läuft. 你好世界 مرحبا ᚠᚢᚦ".encode(),
-]
-
 
 def test_an_empty_batch_gives_empty_outputs(served):
     for name, options in (
@@ -435,20 +375,6 @@ def test_a_beam_over_the_limit_is_refused_and_other_options_out_of_range_are_uns
     assert greedy["translations"].shape == (2, 1)
 
 
-@pytest.fixture(scope="module")
-def served_beam_2(tiny_translation_run, tmp_path_factory):
-    """`(version directory, module, signatures)` of an export by `python -m export` with beam 2,
-    alpha 1.0 and the "current_length" early stop (the repository's `python -m export` calls the same `main`)."""
-    from export.__main__ import main
-
-    base = tmp_path_factory.mktemp("models") / MODEL_NAME
-    flags = ["--beam-size", "2", "--alpha", "1.0", "--early-stopping", "current_length"]
-    assert main(["--run-dir", str(tiny_translation_run), "--out", str(base), *flags]) == 0
-    version_dir = base / "1"
-    module = tf.saved_model.load(str(version_dir))
-    return version_dir, module, module.signatures
-
-
 def test_the_exports_early_stop_is_saved_and_searches_both_signatures(
     served_beam_2, tiny_translation_run, sentences, monkeypatch, capsys
 ):
@@ -506,205 +432,6 @@ def test_unset_options_are_the_exports_own_beam_size_and_length_penalty(served_b
 
 
 # ---------------------------------------------------------------------------
-# REST and gRPC clients, against local servers that evaluate the SavedModel
-# ---------------------------------------------------------------------------
-
-
-class PredictHandler(http.server.BaseHTTPRequestHandler):
-    """TF Serving's REST predict API (row and columnar formats) over `self.server.signatures`."""
-
-    def do_POST(self):  # noqa: N802 (http.server's naming)
-        match = re.fullmatch(r"/v1/models/([^/:]+)(?:/versions/\d+)?:predict", self.path)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if not match or match[1] != MODEL_NAME:
-            return self.answer(404, {"error": f"Servable not found for request: {self.path}"})
-        signature = self.server.signatures[body.get("signature_name", "serving_default")]
-        if "instances" in body:
-            outputs = translate(signature, body["instances"])
-            columns = {name: self.json_values(value) for name, value in outputs.items()}
-            rows = [
-                dict(zip(columns, row, strict=True)) for row in zip(*columns.values(), strict=True)
-            ]
-            return self.answer(200, {"predictions": rows})
-        inputs = dict(body["inputs"])
-        try:
-            outputs = translate(signature, inputs.pop("text"), **inputs)
-        except tf.errors.InvalidArgumentError as error:  # As TF Serving answers a refused input.
-            return self.answer(400, {"error": error.message})
-        return self.answer(
-            200, {"outputs": {name: self.json_values(value) for name, value in outputs.items()}}
-        )
-
-    @staticmethod
-    def json_values(array):
-        return (
-            np.char.decode(array.astype(bytes), "utf-8").tolist()
-            if array.dtype == object
-            else array.tolist()
-        )
-
-    def answer(self, status, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
-@contextlib.contextmanager
-def serving_rest(signatures):
-    """The base URL of a local REST server answering predict requests with `signatures`."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PredictHandler)
-    server.signatures = signatures
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-@pytest.fixture(scope="module")
-def rest_server(served):
-    with serving_rest(served) as url:
-        yield url
-
-
-def test_rest_client_row_and_columnar_requests(rest_server, translator, sentences):
-    expected = translate(translator.translate, sentences[:3])
-    results = serving_client.translate_rest(rest_server, MODEL_NAME, sentences[:3])
-    assert [r["translation"] for r in results] == [t.decode() for t in expected["translation"]]
-    np.testing.assert_allclose([r["score"] for r in results], expected["score"], rtol=1e-5)
-
-    options = {"beam_size": 3, "alpha": 0.6, "max_length": 0, "min_length": -1}
-    results = serving_client.translate_rest(rest_server, MODEL_NAME, sentences[:3], options=options)
-    assert [len(r["translations"]) for r in results] == [3, 3, 3]
-    assert [r["translations"][0] for r in results] == [r["translation"] for r in results]
-
-    with pytest.raises(serving_client.ServingError, match="404"):
-        serving_client.translate_rest(rest_server, "no_such_model", sentences[:1])
-
-
-def test_client_cli_prints_translations(rest_server, translator, sentences, capsys):
-    assert (
-        client_cli.main(["--rest", rest_server, "--model", MODEL_NAME, sentences[0], sentences[1]]) == 0
-    )
-    expected = translate(translator.translate, sentences[:2])["translation"]
-    assert capsys.readouterr().out.splitlines() == [t.decode() for t in expected]
-
-
-def test_client_cli_sends_batches_of_clean_stdin_lines(rest_server, translator, sentences, capsys, monkeypatch):
-    """A CRLF file with a byte order mark and a byte that is not UTF-8, in requests of --batch-size lines."""
-    raw_lines = [sentence.encode() for sentence in sentences[:4]] + [b"bad \xff"]
-    stdin = io.BytesIO(b"\xef\xbb\xbf" + b"".join(line + b"\r\n" for line in raw_lines))
-    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(stdin))
-    requests = []
-    real_translate_rest = serving_client.translate_rest
-
-    def spy(server, model, batch, **kwargs):
-        requests.append(list(batch))
-        return real_translate_rest(server, model, batch, **kwargs)
-
-    monkeypatch.setattr(serving_client, "translate_rest", spy)
-
-    assert client_cli.main(["--rest", rest_server, "--model", MODEL_NAME, "--batch-size", "2"]) == 0
-
-    expected_texts = [*sentences[:4], "bad \ufffd"]
-    assert requests == [expected_texts[:2], expected_texts[2:4], expected_texts[4:]]
-    expected = translate(translator.translate, [text.encode() for text in expected_texts])["translation"]
-    assert capsys.readouterr().out.splitlines() == [t.decode() for t in expected]
-
-
-# What the REST client (and `python -m export.client`) loads of the package: no module that needs more than Python.
-STANDARD_LIBRARY_ONLY = {
-    "keras_transformer",
-    "keras_transformer.cli",
-    "keras_transformer.cli.client",
-    "keras_transformer.decoding_settings",
-    "keras_transformer.serving_client",
-    "keras_transformer.signatures",
-}
-
-
-def test_the_rest_client_imports_no_tensorflow():
-    """It needs the standard library only, so it runs where tensorflow-text has no wheel."""
-    loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, export.client, keras_transformer.serving_client; print(*sys.modules)"],
-        capture_output=True, text=True, check=True, cwd=REPO,
-    ).stdout.split()
-    assert "export.client" in loaded
-    assert not [name for name in loaded if name.split(".")[0] in ("tensorflow", "keras", "numpy")]
-    assert {name for name in loaded if name.split(".")[0] == "keras_transformer"} <= STANDARD_LIBRARY_ONLY
-
-
-def test_rest_client_gives_up_on_a_server_that_never_answers():
-    with socket.socket() as silent:  # Accepts connections (the backlog), never answers.
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(1)
-        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        with pytest.raises(serving_client.ServingError, match=r"No answer from .* within 0.5 s"):
-            serving_client.translate_rest(url, MODEL_NAME, ["A dog."], timeout=0.5)
-
-
-def test_client_cli_reports_a_beam_size_the_server_refuses(rest_server, sentences, capsys):
-    assert client_cli.main(["--rest", rest_server, "--model", MODEL_NAME, "--beam-size", "17", sentences[0]]) == 1
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.startswith("translation failed: 400 from ") and "beam_size is at most 16" in captured.err
-
-
-def test_client_cli_n_best_uses_the_served_models_own_beam_size(served_beam_2, sentences, capsys):
-    _, _, signatures = served_beam_2
-    with serving_rest(signatures) as url:
-        assert client_cli.main(["--rest", url, "--model", MODEL_NAME, "--n-best", sentences[0]]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    best = translate(signatures["serving_default"], sentences[:1])["translation"][0].decode()
-    assert len(lines) == 2 and lines[0].startswith(f"0 ||| {best} ||| ")
-
-
-@pytest.fixture(scope="module")
-def grpc_server(served):
-    import grpc
-    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
-
-    class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
-        def Predict(self, request, context):  # noqa: N802 (the gRPC method name)
-            signature = served[request.model_spec.signature_name or "serving_default"]
-            inputs = {name: tf.make_ndarray(tensor) for name, tensor in request.inputs.items()}
-            outputs = signature(**{name: tf.constant(value) for name, value in inputs.items()})
-            response = predict_pb2.PredictResponse()
-            for name, value in outputs.items():
-                response.outputs[name].CopyFrom(tf.make_tensor_proto(value.numpy()))
-            return response
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(PredictionService(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(grace=None)
-
-
-def test_grpc_client(grpc_server, translator, sentences):
-    expected = translate(translator.translate, sentences[:3])
-    results = serving_client.translate_grpc(grpc_server, MODEL_NAME, sentences[:3])
-    assert [r["translation"] for r in results] == [t.decode() for t in expected["translation"]]
-    np.testing.assert_allclose([r["score"] for r in results], expected["score"], rtol=1e-5)
-    results = serving_client.translate_grpc(
-        grpc_server,
-        MODEL_NAME,
-        sentences[:2],
-        options={"beam_size": 2, "alpha": 0.6, "max_length": 0, "min_length": -1},
-    )
-    assert [len(r["scores"]) for r in results] == [2, 2]
-
-
-# ---------------------------------------------------------------------------
 # translate.py
 # ---------------------------------------------------------------------------
 
@@ -749,119 +476,6 @@ def test_translate_cli_says_when_the_saved_model_refuses_a_beam_size(exported, s
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "translate.py: error: the model refused the request: beam_size is at most 16\n" in captured.err
-
-
-def test_the_example_models_config_is_a_valid_model_server_config():
-    from google.protobuf import text_format
-    from tensorflow_serving.config import model_server_config_pb2
-
-    config = text_format.Parse(
-        (REPO / "export" / "models.config").read_text(), model_server_config_pb2.ModelServerConfig()
-    )
-    (model,) = config.model_config_list.config
-    assert (model.name, model.base_path) == (MODEL_NAME, f"/models/{MODEL_NAME}")
-
-
-def batching_parameters_class():
-    """`tensorflow.serving.BatchingParameters`, built from its definition in TF Serving's
-    `session_bundle_config.proto` (tensorflow-serving-api does not ship that module)."""
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
-
-    field = descriptor_pb2.FieldDescriptorProto
-    wrapped = {"max_batch_size": (1, "Int64Value"), "batch_timeout_micros": (2, "Int64Value"),
-               "max_enqueued_batches": (3, "Int64Value"), "num_batch_threads": (4, "Int64Value"),
-               "thread_pool_name": (5, "StringValue"), "enable_large_batch_splitting": (8, "BoolValue"),
-               "max_execution_batch_size": (9, "Int64Value")}
-    file = descriptor_pb2.FileDescriptorProto(
-        name="tensorflow_serving/servables/tensorflow/session_bundle_config.proto", package="tensorflow.serving",
-        dependency=["google/protobuf/wrappers.proto"], syntax="proto3",
-    )
-    message = file.message_type.add(name="BatchingParameters")
-    for name, (number, type_name) in wrapped.items():
-        message.field.add(name=name, number=number, label=field.LABEL_OPTIONAL, type=field.TYPE_MESSAGE,
-                          type_name=f".google.protobuf.{type_name}")
-    message.field.add(name="allowed_batch_sizes", number=6, label=field.LABEL_REPEATED, type=field.TYPE_INT64)
-    message.field.add(name="pad_variable_length_inputs", number=7, label=field.LABEL_OPTIONAL, type=field.TYPE_BOOL)
-    pool = descriptor_pool.DescriptorPool()
-    pool.AddSerializedFile(wrappers_pb2.DESCRIPTOR.serialized_pb)
-    pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tensorflow.serving.BatchingParameters"))
-
-
-def batching_configs():
-    """export/batching.config as it is, and with its commented `allowed_batch_sizes` (for XLA exports) set."""
-    from google.protobuf import text_format
-
-    text = (REPO / "export" / "batching.config").read_text()
-    with_sizes = text.replace("# allowed_batch_sizes:", "allowed_batch_sizes:")
-    assert with_sizes != text
-    return [text_format.Parse(config, batching_parameters_class()()) for config in (text, with_sizes)]
-
-
-def test_the_batching_config_is_valid_batching_parameters_that_tf_serving_accepts():
-    config, with_sizes = batching_configs()
-    for params in (config, with_sizes):
-        # Every field set, none left to TF Serving's defaults by a typo.
-        assert {field.name for field, _ in params.ListFields()} >= {
-            "max_batch_size", "batch_timeout_micros", "num_batch_threads", "max_enqueued_batches"
-        }
-        assert params.num_batch_threads.value >= 1 and params.max_enqueued_batches.value >= 1
-        assert 0 <= params.batch_timeout_micros.value <= 10_000  # TF Serving's CPU advice: 0-10 ms
-        assert not params.enable_large_batch_splitting.value and not params.pad_variable_length_inputs
-    # python -m export.client's default requests fit in a batch.
-    assert config.max_batch_size.value >= client_cli.parse_args(["--rest", "http://localhost:8501"]).batch_size
-    # The checks TF Serving makes when it loads a model with allowed_batch_sizes.
-    sizes = list(with_sizes.allowed_batch_sizes)
-    assert sizes == sorted(set(sizes)) and sizes[0] >= 1 and sizes[-1] == with_sizes.max_batch_size.value
-    assert not config.allowed_batch_sizes
-
-
-def test_every_field_of_the_batching_config_says_why():
-    lines = (REPO / "export" / "batching.config").read_text().splitlines()
-    for index, line in enumerate(lines):
-        if line.strip() and not line.startswith("#"):
-            assert lines[index - 1].startswith("# "), f"{line!r} has no comment above it"
-
-
-def tf_serving_batch(signature, requests, allowed_batch_sizes):
-    """The outputs of `requests` (lists of sentences) run as one TF Serving batch, split back per request.
-
-    As TF Serving's BatchingSession does: inputs concatenated along dimension 0, padded to
-    the next allowed size with copies of the last request's first row, outputs split
-    along dimension 0 (which every output must have).
-    """
-    rows = [len(request) for request in requests]
-    padded = min(size for size in allowed_batch_sizes if size >= sum(rows))
-    merged = [text for request in requests for text in request] + [requests[-1][0]] * (padded - sum(rows))
-    outputs = translate(signature, merged)
-    assert all(value.ndim >= 1 and len(value) == padded for value in outputs.values())
-    bounds = np.cumsum([0, *rows])
-    return [{name: value[start:end] for name, value in outputs.items()} for start, end in zip(bounds, bounds[1:])]
-
-
-def test_serving_default_answers_batched_requests_as_each_alone(served, sentences):
-    """TF Serving's batching merges requests and splits the outputs; each request gets its own answer."""
-    _, with_sizes = batching_configs()
-    signature = served["serving_default"]
-    specs = [*signature.structured_input_signature[1].values(), *signature.structured_outputs.values()]
-    assert all(spec.shape.rank == 1 and spec.shape[0] is None for spec in specs)  # [batch] only
-    requests = [sentences[:1], [*sentences[1:3], BAD_INPUTS[0].decode()], sentences[3:5]]
-
-    batched = tf_serving_batch(signature, requests, list(with_sizes.allowed_batch_sizes))
-
-    for request, answer in zip(requests, batched, strict=True):
-        alone = translate(signature, request)
-        assert list(answer["translation"]) == list(alone["translation"])
-        np.testing.assert_allclose(answer["score"], alone["score"], rtol=1e-5)
-
-
-def test_translate_with_options_has_scalar_inputs_which_tf_serving_cannot_batch(served):
-    """What export/batching.config and README say: under --enable_batching only serving_default is served."""
-    inputs = served["translate_with_options"].structured_input_signature[1]
-    assert {name for name, spec in inputs.items() if spec.shape.rank == 0} == {
-        "beam_size", "alpha", "max_length", "min_length"
-    }
-    assert "translate_with_options" in (REPO / "export" / "batching.config").read_text()
 
 
 def test_a_run_translates_with_its_own_beam_size_and_length_penalty(tiny_translation_run, tmp_path):

@@ -1,6 +1,7 @@
 """`--mixed-precision auto`: the choice for each kind of device (faked), and how a run records and keeps it."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import tensorflow as tf
 from keras_transformer import distribution, precision, run_dir
 from keras_transformer.cli import train as train_cli
 from keras_transformer.precision import Devices
-from fake_runs import ROOT, SUBPROCESS_TIMEOUT  # noqa: E402
+from fake_runs import ROOT, SUBPROCESS_TIMEOUT, free_ports  # noqa: E402
 
 AMX_XEON = frozenset({"avx2", "avx512f", "amx_tile", "amx_bf16", "avx512_bf16"})
 AVX512_BF16_EPYC = frozenset({"avx2", "avx512f", "avx512_bf16"})
@@ -20,19 +21,20 @@ AVX2_ONLY = frozenset({"avx2", "fma"})
 @pytest.mark.parametrize(
     "devices, jit_compile, expected",
     [
-        (Devices(((8, 0),), AVX2_ONLY), False, "bf16"),  # A100
-        (Devices(((9, 0), (8, 6)), AVX2_ONLY), False, "bf16"),  # H100 + RTX 3090
-        (Devices(((7, 5),), AMX_XEON), False, "fp16"),  # T4: its tensor cores are float16's
-        (Devices(((8, 0), (7, 0)), AVX2_ONLY), False, "fp16"),  # the oldest GPU decides
-        (Devices((), AMX_XEON, 6.0), False, "bf16"),
-        (Devices((), AVX512_BF16_EPYC, 1.8), False, "bf16"),  # as on an AMD EPYC
-        (Devices((), AVX512_BF16_EPYC, 0.54), False, "none"),  # as on an Intel Xeon without AMX
-        (Devices((), AVX512_BF16_EPYC, 1.19), False, "none"),  # not enough to pay for the rest of a step
-        (Devices((), AVX512_BF16_EPYC, None), False, "none"),  # not measured
-        (Devices((), AVX512_BF16_EPYC, 1.8), True, "none"),  # XLA's CPU backend: no bfloat16 kernels
-        (Devices(((8, 0),), AVX2_ONLY), True, "bf16"),  # XLA on GPUs has them
-        (Devices((), AVX2_ONLY, 3.0), False, "none"),  # no native bf16, whatever a measurement said
+        (Devices(True, ((8, 0),), AVX2_ONLY), False, "bf16"),  # A100
+        (Devices(True, ((9, 0), (8, 6)), AVX2_ONLY), False, "bf16"),  # H100 + RTX 3090
+        (Devices(True, ((7, 5),), AMX_XEON), False, "fp16"),  # T4: its tensor cores are float16's
+        (Devices(True, ((8, 0), (7, 0)), AVX2_ONLY), False, "fp16"),  # the oldest GPU decides
+        (Devices(False, (), AMX_XEON, 6.0), False, "bf16"),
+        (Devices(False, (), AVX512_BF16_EPYC, 1.8), False, "bf16"),  # as on an AMD EPYC
+        (Devices(False, (), AVX512_BF16_EPYC, 0.54), False, "none"),  # as on an Intel Xeon without AMX
+        (Devices(False, (), AVX512_BF16_EPYC, 1.19), False, "none"),  # not enough to pay for the rest of a step
+        (Devices(False, (), AVX512_BF16_EPYC, None), False, "none"),  # not measured
+        (Devices(False, (), AVX512_BF16_EPYC, 1.8), True, "none"),  # XLA's CPU backend: no bfloat16 kernels
+        (Devices(True, ((8, 0),), AVX2_ONLY), True, "bf16"),  # XLA on GPUs has them
+        (Devices(False, (), AVX2_ONLY, 3.0), False, "none"),  # no native bf16, whatever a measurement said
         (Devices(), False, "none"),  # no flags known (not Linux)
+        (Devices(True, (), AVX2_ONLY), False, "none"),  # GPUs that report no compute capability
     ],
 )
 def test_auto_picks_bf16_where_the_device_computes_it_natively_and_faster(devices, jit_compile, expected):
@@ -45,8 +47,8 @@ def test_auto_picks_bf16_where_the_device_computes_it_natively_and_faster(device
 
 @pytest.mark.parametrize("asked", ["none", "bf16", "fp16"])
 def test_a_precision_asked_for_is_taken_on_any_device(asked):
-    assert precision.resolve(asked, Devices((), AVX2_ONLY)).name == asked
-    assert precision.resolve(asked, Devices(((8, 0),), AMX_XEON), jit_compile=True).name == asked
+    assert precision.resolve(asked, Devices(False, (), AVX2_ONLY)).name == asked
+    assert precision.resolve(asked, Devices(True, ((8, 0),), AMX_XEON), jit_compile=True).name == asked
     with pytest.raises(ValueError, match="mixed_precision must be one of auto, none, bf16, fp16, got 'fp8'"):
         precision.resolve("fp8", Devices())
 
@@ -130,3 +132,28 @@ def test_a_run_logs_and_saves_what_auto_chose_and_keeps_it_on_another_machine(tm
     assert f"Precision: bf16 (mixed_bfloat16): {reason}." in log
     assert run_dir.checkpoint_step(run_dir.latest_checkpoint(run / run_dir.CHECKPOINT_DIR)) == 4
     assert json.loads((run / run_dir.CONFIG_FILE).read_text())["train"]["mixed_precision"] == "bf16"
+
+
+_CHIEF_CHOICE = """
+import sys
+from keras_transformer import distribution
+strategy = distribution.make_strategy()
+index = distribution.worker_index(strategy) + 1  # Each worker would choose differently.
+print("agreed", distribution.chief_choice(strategy, index, 4), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_every_worker_takes_the_chiefs_choice():
+    """Two local workers under MultiWorkerMirroredStrategy: worker 1 chose 2, the chief 1; both get 1."""
+    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    processes = []
+    for index in range(2):
+        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
+        processes.append(subprocess.Popen([sys.executable, "-c", _CHIEF_CHOICE], cwd=ROOT, env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outputs = [process.communicate(timeout=SUBPROCESS_TIMEOUT) for process in processes]
+    for process, (stdout, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr[-3000:]
+        assert stdout.split() == ["agreed", "1"]

@@ -122,9 +122,11 @@ def main(argv=None):
 def print_results(results, first_index, args):
     for index, result in enumerate(results, start=first_index):
         if args.n_best:
-            for translation, score in zip(result["translations"], result["scores"], strict=True):
+            for translation, score in zip(
+                result[signatures.TRANSLATIONS.name], result[signatures.SCORES.name], strict=True
+            ):
                 print(f"{index} ||| {translation} ||| {score:.4f}")
         elif args.scores:
-            print(f"{result['score']:.4f}\t{result['translation']}")
+            print(f"{result[signatures.SCORE.name]:.4f}\t{result[signatures.TRANSLATION.name]}")
         else:
-            print(result["translation"])
+            print(result[signatures.TRANSLATION.name])

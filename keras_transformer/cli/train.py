@@ -29,10 +29,10 @@ PROG = Path(sys.argv[0]).name if Path(sys.argv[0]).name == "kt-train" else "trai
 def build_parser():
     from keras_transformer.corpora import CORPORA, DEFAULT_CORPUS
     from keras_transformer.recipes import DEFAULT_PRESET, RECIPES
-    from keras_transformer.run_settings import defaults, flag_options as checked
+    from keras_transformer.run_settings import defaults, flag_options as checked, positive_float
 
     def per_preset(name):
-        """'tiny 100, small 800, ...': the recipes' defaults of setting `name`, for help texts."""
+        """'tiny 200, small 800, ...': the recipes' defaults of setting `name`, for help texts."""
         values = {preset: defaults(preset, DEFAULT_CORPUS)[name] for preset in RECIPES}
         return ", ".join(f"{preset} {'none' if value is None else f'{value:g}'}" for preset, value in values.items())
 
@@ -62,13 +62,16 @@ def build_parser():
                       help="Corpus: " + ", ".join(f"{name} ({entry.summary})" for name, entry in CORPORA.items())
                            + f". [{DEFAULT_CORPUS}]")
     what.add_argument("--data-dir", default=None,
-                      help="Multi30k directory (default: $MULTI30K_DIR, then ~/.keras/datasets/multi30k, "
-                           "then download), TFDS data directory for wmt14/ted_pt_en, or the text-file "
-                           "directory for --dataset files.")
-    what.add_argument("--source-lang", default=None,
-                      help="Source language code. [the corpus's usual: en; ted_pt_en: pt]")
-    what.add_argument("--target-lang", default=None,
-                      help="Target language code. [the corpus's usual: de; ted_pt_en: en]")
+                      help="Where the corpus is: " + "; ".join(f"{name}: {entry.data_dir}" for name, entry in
+                                                               CORPORA.items()) + ".")
+
+    def usual(side):
+        """'multi30k en, wmt14 en, ...': each corpus's usual language on `side` (0: source, 1: target)."""
+        return ", ".join(f"{name} {entry.languages[side] if entry.languages else 'required'}"
+                         for name, entry in CORPORA.items())
+
+    what.add_argument("--source-lang", default=None, help=f"Source language code. [the corpus's usual: {usual(0)}]")
+    what.add_argument("--target-lang", default=None, help=f"Target language code. [the corpus's usual: {usual(1)}]")
     what.add_argument("--vocab-size", **checked("vocab_size"), default=None,
                       help="Size of the shared BPE vocabulary learned on the training data. "
                            f"[{', '.join(f'{name} {entry.vocab_size}' for name, entry in CORPORA.items())}]")
@@ -118,7 +121,7 @@ def build_parser():
                      help="Comma-separated devices to replicate over, e.g. GPU:0,GPU:1 (CPU:0,CPU:1 "
                           "splits the CPU, for testing). [all local GPUs, else the CPU; with a "
                           "multi-worker TF_CONFIG, MultiWorkerMirroredStrategy]")
-    how.add_argument("--connect-timeout-minutes", type=checked("max_minutes")["type"], default=15.0,
+    how.add_argument("--connect-timeout-minutes", type=positive_float, default=15.0,
                      help="Multi-worker: how long a worker waits for every worker of TF_CONFIG to "
                           "start; then it exits with status 1. [15]")
 

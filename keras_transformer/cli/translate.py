@@ -351,16 +351,16 @@ def read_sentences(args, stream):
 
 def print_results(results, first_index, args, file=None):
     """Prints a batch's translations as the options ask, to `file` (default: stdout)."""
-    for offset, translation in enumerate(results["translation"].numpy()):
+    for offset, translation in enumerate(results[signature_table.TRANSLATION.name].numpy()):
         if args.n_best:
             for text, score in zip(
-                results["translations"][offset].numpy(),
-                results["scores"][offset].numpy(),
+                results[signature_table.TRANSLATIONS.name][offset].numpy(),
+                results[signature_table.SCORES.name][offset].numpy(),
                 strict=True,
             ):
                 print(f"{first_index + offset} ||| {text.decode()} ||| {score:.4f}", file=file)
         elif args.scores:
-            print(f"{results['score'][offset].numpy():.4f}\t{translation.decode()}", file=file)
+            print(f"{results[signature_table.SCORE.name][offset].numpy():.4f}\t{translation.decode()}", file=file)
         else:
             print(translation.decode(), file=file)
 
@@ -423,7 +423,8 @@ def main(argv=None):
             return fail(refusal(error))
     if args.attention:  # With one sentence argument (see parse_args): `results` are its.
         try:
-            write_attention(module, os.fsencode(args.sentences[0]), results["translation"][0].numpy(), args.attention)
+            translation = results[signature_table.TRANSLATION.name][0].numpy()
+            write_attention(module, os.fsencode(args.sentences[0]), translation, args.attention)
         except OSError as error:
             return fail(f"cannot write --attention {args.attention}: {error.strerror or error}.")
     return 0
