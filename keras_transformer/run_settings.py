@@ -288,8 +288,8 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
 
 def _check_pinned(requested, saved, explicit, run, config_file):
     for name in PINNED:
-        if name == "mixed_precision" and requested.get(name) == precision.AUTO:
-            continue  # `auto` takes the precision the run chose.
+        if name == "mixed_precision" and precision.AUTO in (requested.get(name), saved.get(name)):
+            continue  # `auto` takes the precision the run chose; a run saved before it chose takes any.
         if name in requested and name in saved and requested[name] != saved[name]:
             if name in explicit:
                 given, advice = "", f"leave out {flag(name)}"

@@ -62,7 +62,6 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
     # A multi-worker strategy starts TensorFlow's coordination service, whose own SIGTERM
     # handler replaces ours: without this, `kill` neither checkpoints nor stops a worker.
     stop_on_sigterm()
-    settings = choose_precision(settings, strategy)
     replicas = strategy.num_replicas_in_sync
     if settings.epochs is None:  # Else the length of the run, which the check needs, is not known yet.
         settings = settings.replace(replicas=check_replicas(run, settings, replicas))
@@ -78,6 +77,8 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
         )
     is_chief = distribution.is_chief(strategy)
     tokenizer = prepare_tokenizer(run, corpus, settings, strategy)
+    # After the vocabulary: its barrier is the set-up's first collective, the choice's the second.
+    settings = choose_precision(settings, strategy)
     if settings.epochs is not None:
         settings = settings.replace(train_steps=steps_for_epochs(run, corpus, tokenizer, settings, replicas))
         settings = settings.replace(replicas=check_replicas(run, settings, replicas))
