@@ -14,6 +14,7 @@ A plain module (tests/ is on sys.path), not fixtures in conftest.py: import what
 
 import dataclasses
 import os
+import json
 import socket
 import subprocess
 from pathlib import Path
@@ -144,12 +145,15 @@ def fake_translations(monkeypatch, winner, wins=REFERENCES, loses=None):
     monkeypatch.setattr(evaluation, "translate", translate)
 
 
-def free_ports(count):
-    """`count` TCP ports of 127.0.0.1 free a moment ago, for the workers of a local TF_CONFIG."""
+def local_tf_configs(count):
+    """The TF_CONFIG (JSON) of each of `count` workers on 127.0.0.1, at ports free a moment ago; worker 0 first."""
     sockets = [socket.socket() for _ in range(count)]
     for sock in sockets:
         sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
+    workers = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in sockets]
     for sock in sockets:
         sock.close()
-    return ports
+    return [
+        json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+        for index in range(count)
+    ]

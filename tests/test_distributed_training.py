@@ -6,7 +6,6 @@ TensorFlow initializes its devices) happen in subprocesses: `training_worker.py`
 waiting for its peers). The rest runs in this process.
 """
 
-import json
 import os
 import re
 import subprocess
@@ -19,7 +18,7 @@ import pytest
 import tensorflow as tf
 import training_worker  # tests/ is on sys.path: pytest puts it there for this file
 
-from fake_runs import ROOT, SUBPROCESS_TIMEOUT, free_ports, run_command, synthetic_pairs_dataset, tiny_trainer
+from fake_runs import ROOT, SUBPROCESS_TIMEOUT, local_tf_configs, run_command, synthetic_pairs_dataset, tiny_trainer
 from keras_transformer import distribution, run_dir
 
 WORKER = ROOT / "tests" / "training_worker.py"
@@ -72,8 +71,8 @@ def test_each_replica_draws_its_own_dropout_mask(tmp_path):
 
 
 def _start(mode, output, run, tf_config=None):
-    """A `training_worker.py` process in `mode`, its output (stdout and stderr) piped."""
-    env = {**os.environ, **({"TF_CONFIG": json.dumps(tf_config)} if tf_config else {})}
+    """A `training_worker.py` process in `mode` (a worker of `tf_config`, JSON, if given), stdout and stderr piped."""
+    env = {**os.environ, **({"TF_CONFIG": tf_config} if tf_config else {})}
     return subprocess.Popen(
         [sys.executable, str(WORKER), mode, str(output), str(run)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -85,11 +84,9 @@ def _start_two_worker_processes(mode, directory, run):
 
     Worker i writes `directory/worker{i}.npz`.
     """
-    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     return [
-        _start(mode, directory / f"worker{index}.npz", run,
-               {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
-        for index in range(2)
+        _start(mode, directory / f"worker{index}.npz", run, tf_config)
+        for index, tf_config in enumerate(local_tf_configs(2))
     ]
 
 
@@ -229,15 +226,13 @@ def test_a_worker_lost_in_a_step_names_the_steps_finished_before_it(tmp_path, mo
 
 def _start_two_workers(run, *flags, env=None):
     """Two `train.py` workers of a `tiny` Multi30k run on 127.0.0.1 that train until stopped; stderr piped."""
-    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     flags = ["--run-dir", str(run), "--preset", "tiny", "--vocab-size", "1000", "--train-steps", "100000",
              "--max-minutes", "0", "--log-every", "1", "--eval-every", "0", "--bleu-sentences", "0", *flags]
     processes = []
-    for index in range(2):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+    for tf_config in local_tf_configs(2):
         processes.append(subprocess.Popen(
             [sys.executable, "train.py", *flags], cwd=ROOT,
-            env={**os.environ, **(env or {}), "TF_CONFIG": json.dumps(tf_config)},
+            env={**os.environ, **(env or {}), "TF_CONFIG": tf_config},
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         ))
     return processes
@@ -361,13 +356,12 @@ def test_a_worker_killed_outright_during_set_up_stops_the_other_with_an_error(tm
 @pytest.mark.slow
 def test_a_worker_whose_peers_never_start_gives_up_after_the_connect_timeout(tmp_path, multi30k_dir):
     """MultiWorkerMirroredStrategy() waits for every task in C++, holding the GIL: only faulthandler's timer ends it."""
-    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": 0}}
+    chief_config, _ = local_tf_configs(2)  # The other worker never starts.
     run = tmp_path / "run"
     result = run_command(
         [sys.executable, "train.py", "--run-dir", str(run), "--preset", "tiny", "--data-dir", str(multi30k_dir),
          "--connect-timeout-minutes", "0.1"],
-        env={"TF_CONFIG": json.dumps(tf_config)}, timeout=120,
+        env={"TF_CONFIG": chief_config}, timeout=120,
     )
     assert result.returncode == 1, result.stderr[-3000:]
     assert ("Waiting for all 2 workers of TF_CONFIG to start; after 0.1 minutes (--connect-timeout-minutes) "

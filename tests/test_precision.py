@@ -11,7 +11,7 @@ import tensorflow as tf
 from keras_transformer import distribution, precision, run_dir
 from keras_transformer.cli import train as train_cli
 from keras_transformer.precision import Devices
-from fake_runs import ROOT, SUBPROCESS_TIMEOUT, free_ports  # noqa: E402
+from fake_runs import ROOT, SUBPROCESS_TIMEOUT, local_tf_configs  # noqa: E402
 
 AMX_XEON = frozenset({"avx2", "avx512f", "amx_tile", "amx_bf16", "avx512_bf16"})
 AVX512_BF16_EPYC = frozenset({"avx2", "avx512f", "avx512_bf16"})
@@ -146,14 +146,16 @@ print("agreed", distribution.chief_choice(strategy, index, 4), flush=True)
 @pytest.mark.slow
 def test_every_worker_takes_the_chiefs_choice():
     """Two local workers under MultiWorkerMirroredStrategy: worker 1 chose 2, the chief 1; both get 1."""
-    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    processes = []
-    for index in range(2):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
-        processes.append(subprocess.Popen([sys.executable, "-c", _CHIEF_CHOICE], cwd=ROOT, env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outputs = [process.communicate(timeout=SUBPROCESS_TIMEOUT) for process in processes]
+    processes = [
+        subprocess.Popen([sys.executable, "-c", _CHIEF_CHOICE], cwd=ROOT, env={**os.environ, "TF_CONFIG": tf_config},
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for tf_config in local_tf_configs(2)
+    ]
+    try:
+        outputs = [process.communicate(timeout=SUBPROCESS_TIMEOUT) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
     for process, (stdout, stderr) in zip(processes, outputs):
         assert process.returncode == 0, stderr[-3000:]
         assert stdout.split() == ["agreed", "1"]

@@ -21,7 +21,7 @@ from keras_transformer.cli import train as train_cli
 from keras_transformer.model import Transformer
 from keras_transformer.recipes import RECIPES
 from keras_transformer.trainer import Trainer, TrainingConfig
-from fake_runs import PAIRS, checkpointed_run, fake_translations, free_ports, validation_corpus  # noqa: E402
+from fake_runs import PAIRS, checkpointed_run, fake_translations, local_tf_configs, validation_corpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT = 240
@@ -488,16 +488,12 @@ def test_two_workers_stop_together_on_the_chiefs_patience(tmp_path, small_corpus
     flags = ["--run-dir", str(run), "--preset", "tiny", *small_corpus, "--vocab-size", "1000", "--max-length", "64",
              "--train-steps", "20", "--eval-every", "2", "--checkpoint-every", "2", "--patience", "2",
              "--beam-size", "1", "--bleu-sentences", "4"]
-    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", _FAKE_VALIDATION.replace("FLAGS", repr(flags))], cwd=ROOT,
-            env={**os.environ, "TF_CONFIG": json.dumps(
-                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-            )},
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "TF_CONFIG": tf_config}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
-        for index in range(2)
+        for tf_config in local_tf_configs(2)
     ]
     try:
         logs = [process.communicate(timeout=SUBPROCESS_TIMEOUT)[1] for process in processes]
