@@ -264,17 +264,7 @@ def any_worker(strategy, flag):
     """
     if num_workers(strategy) == 1:
         return bool(flag)
-    if strategy not in _COUNT_TRUE:
-        _COUNT_TRUE[strategy] = tf.function(
-            lambda value: strategy.reduce(
-                tf.distribute.ReduceOp.SUM, strategy.run(tf.identity, args=(value,)), axis=None
-            )
-        )
-    return float(_COUNT_TRUE[strategy](tf.constant(float(flag)))) > 0.0
-
-
-# strategy -> tf.function summing a flag over all replicas (traced once per strategy).
-_COUNT_TRUE = weakref.WeakKeyDictionary()
+    return float(_sum_over_replicas(strategy, tf.constant(float(flag)))) > 0.0
 
 
 def chief_choice(strategy, index, choices):
@@ -286,10 +276,22 @@ def chief_choice(strategy, index, choices):
     if num_workers(strategy) == 1:
         return index
     vote = tf.one_hot(index if is_chief(strategy) else -1, choices)  # -1: a row of zeros.
-    reduce = tf.function(
-        lambda value: strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(tf.identity, args=(value,)), axis=None)
-    )
-    return int(tf.argmax(reduce(vote)))
+    return int(tf.argmax(_sum_over_replicas(strategy, vote)))
+
+
+def _sum_over_replicas(strategy, value):
+    """The sum of `value` over every replica of every worker (a tf.function per strategy, traced per shape)."""
+    if strategy not in _SUMS:
+        _SUMS[strategy] = tf.function(
+            lambda value: strategy.reduce(
+                tf.distribute.ReduceOp.SUM, strategy.run(tf.identity, args=(value,)), axis=None
+            )
+        )
+    return _SUMS[strategy](value)
+
+
+# strategy -> its `_sum_over_replicas` function.
+_SUMS = weakref.WeakKeyDictionary()
 
 
 def barrier(strategy):
