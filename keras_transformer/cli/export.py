@@ -1,10 +1,14 @@
-"""`kt-export` (`python -m export`): export a trained run as a SavedModel for TF Serving, checked first.
+"""`kt-export` (`python -m export`): export a trained run for TF Serving or CTranslate2, checked first.
 
     kt-export --run-dir RUN --out models/transformer [--version N]
+    kt-export --format ctranslate2 --run-dir RUN --out models/transformer-ct2
 
-The export translates with one `DecodingSettings`: the run's own (its beam size and
+The SavedModel translates with one `DecodingSettings`: the run's own (its beam size and
 length penalty, `run_dir.decoding_settings`), with the flags given replacing theirs.
-The library is `keras_transformer.saved_model`.
+A CTranslate2 model takes its decoding options when it translates, so the decoding flags
+(and `--version`, `--model-name`, `--jit-compile`) are for `--format savedmodel` only.
+The libraries are `keras_transformer.saved_model` and `keras_transformer.ctranslate2_export`
+(which needs the `ctranslate2` extra).
 """
 
 import argparse
@@ -16,6 +20,11 @@ from keras_transformer.decoding_settings import EARLY_STOPPING, MAX_BEAM_SIZE, D
 
 # The command's name in its messages: kt-export when run so, else the repository's module.
 PROG = Path(sys.argv[0]).name if Path(sys.argv[0]).name == "kt-export" else "python -m export"
+FORMATS = ("savedmodel", "ctranslate2")
+# The flags of --format savedmodel alone (their defaults are None or False).
+SAVEDMODEL_FLAGS = (
+    "version", "model_name", "beam_size", "alpha", "max_extra_length", "min_length", "early_stopping", "jit_compile"
+)
 
 
 def parse_args(argv=None):
@@ -24,12 +33,22 @@ def parse_args(argv=None):
     defaults = DecodingSettings()
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Export a trained run as a SavedModel for TF Serving (versioned layout), "
-        "checked against the in-process model before it is published.",
+        description="Export a trained run as a SavedModel for TF Serving (versioned layout), or as a "
+        "CTranslate2 model directory, checked against the in-process model before it is published.",
     )
     parser.add_argument("--run-dir", required=True, help="Training run directory.")
     parser.add_argument(
-        "--out", required=True, help="Model base directory, e.g. models/transformer."
+        "--out",
+        required=True,
+        help="Model base directory, e.g. models/transformer; with --format ctranslate2, the model "
+        "directory to make (new or empty).",
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="savedmodel",
+        help="savedmodel (default): TF Serving's versioned layout; ctranslate2: a CTranslate2 model "
+        '(pip install -e ".[ctranslate2]"; see docs/serving.md).',
     )
     parser.add_argument("--version", type=int, help="Version number (default: the next free one).")
     parser.add_argument(
@@ -91,6 +110,13 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.min_length is not None and args.min_length < 0:
         parser.error("--min-length must be 0 or more.")
+    if args.format == "ctranslate2":
+        given = [name for name in SAVEDMODEL_FLAGS if getattr(args, name) not in (None, False)]
+        if given:
+            parser.error(
+                f"--{given[0].replace('_', '-')} is for --format savedmodel: a CTranslate2 model takes its "
+                "decoding options when it translates."
+            )
     return args
 
 
@@ -122,6 +148,8 @@ def decoding_settings(args):
 def main(argv=None):
     """Exports as the command line `argv` asks (default: `sys.argv[1:]`); returns the exit code (1 on failure)."""
     args = parse_args(argv)
+    if args.format == "ctranslate2":
+        return export_ctranslate2(args)
     from keras_transformer.run_dir import RunDirError
     from keras_transformer.saved_model import ExportError, export_run
 
@@ -138,6 +166,26 @@ def main(argv=None):
             jit_compile=args.jit_compile,
         )
     except (ExportError, RunDirError, ValueError, OSError) as error:
+        print(f"export failed: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def export_ctranslate2(args):
+    """`main` for `--format ctranslate2`: returns the exit code (1 on failure, in one line)."""
+    from keras_transformer.run_dir import RunDirError
+    from keras_transformer.saved_model import ExportError
+
+    try:
+        from keras_transformer import ctranslate2_export
+
+        ctranslate2_export.export_run(
+            args.run_dir,
+            args.out,
+            which=args.checkpoint,
+            check_sentences=read_check_sentences(args.check_file, args.check_lines),
+        )
+    except (ExportError, RunDirError, ImportError, ValueError, OSError) as error:
         print(f"export failed: {error}", file=sys.stderr)
         return 1
     return 0
