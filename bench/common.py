@@ -379,6 +379,139 @@ def peak_read_bandwidth(size_mib: int = 256, repeats: int = 5, min_repeat_s: flo
     }
 
 
+# --------------------------------------------------------------------------- serving measurements
+# Shared by serving.py (a SavedModel) and decode_peers.py (a SavedModel or CTranslate2, each
+# in a process of its own): standard library only, so that a CTranslate2 process holds no
+# TensorFlow. `translate(texts)` is one request, a list of sentences in, their
+# translations (str) out.
+
+
+def load_sentences(data_dir: str | None, source_lang: str, limit: int | None = None) -> list[str]:
+    """The Multi30k test sources (`test_2016_flickr.<source_lang>`), in file order, blank lines dropped.
+
+    Looked up in `data_dir`, then `$MULTI30K_DIR`, then the shared data directory next to
+    the repository (`../shared/data/multi30k`).
+    """
+    candidates = [
+        data_dir,
+        os.environ.get("MULTI30K_DIR"),
+        str(REPO_ROOT.parent / "shared" / "data" / "multi30k"),
+    ]
+    for directory in candidates:
+        if directory and (Path(directory) / f"test_2016_flickr.{source_lang}").is_file():
+            lines = (Path(directory) / f"test_2016_flickr.{source_lang}").read_text(encoding="utf-8").splitlines()
+            return [line.strip() for line in lines if line.strip()][:limit]
+    raise SystemExit("Multi30k test sources not found: pass --data-dir or set MULTI30K_DIR.")
+
+
+def resolve_version_dir(path: Path) -> Path:
+    """`path` if it holds a saved_model.pb, else its highest numeric version subdirectory."""
+    if (path / "saved_model.pb").is_file():
+        return path
+    versions = [p for p in path.iterdir() if p.is_dir() and p.name.isdigit() and (p / "saved_model.pb").is_file()]
+    if not versions:
+        raise SystemExit(f"{path} holds no SavedModel (no saved_model.pb, no numeric version directory).")
+    return max(versions, key=lambda p: int(p.name))
+
+
+def latency_percentiles(seconds: list[float]) -> dict:
+    """p50, p95, p99, mean and max of request times, in ms."""
+    ms = [s * 1e3 for s in seconds]
+    return {
+        "requests": len(ms),
+        "p50_ms": percentile(ms, 50),
+        "p95_ms": percentile(ms, 95),
+        "p99_ms": percentile(ms, 99),
+        "mean_ms": statistics.mean(ms),
+        "max_ms": max(ms),
+    }
+
+
+def time_single(translate, texts: list[str]) -> dict:
+    """One sentence per request, one client: latency percentiles and the outputs' mean word count."""
+    timings, words = [], []
+    for text in texts:
+        start = time.perf_counter()
+        out = translate([text])
+        timings.append(time.perf_counter() - start)
+        words.append(len(out[0].split()))
+    return {**latency_percentiles(timings), "mean_output_words": statistics.mean(words)}
+
+
+def time_batches(translate, batches: list[list[str]]) -> tuple[dict, list[str]]:
+    """One client sending `batches` one after the other: sentences/s, batch latency, and the translations."""
+    times, translations = [], []
+    start = time.perf_counter()
+    for batch in batches:
+        t0 = time.perf_counter()
+        translations += translate(batch)
+        times.append(time.perf_counter() - t0)
+    seconds = time.perf_counter() - start
+    sentences = sum(len(batch) for batch in batches)
+    record = {
+        "batch_size": len(batches[0]),
+        "sentences": sentences,
+        "seconds": seconds,
+        "sentences_per_s": sentences / seconds,
+        "batch_latency": latency_percentiles(times),
+    }
+    return record, translations
+
+
+def time_concurrent(translate, texts: list[str], threads: int) -> dict:
+    """`threads` client threads taking `texts` from one queue, one sentence per request: sentences/s, latency."""
+    import queue
+    import threading
+
+    work = queue.Queue()
+    for text in texts:
+        work.put(text)
+    timings, errors = [], []
+    lock = threading.Lock()
+
+    def client():
+        while True:
+            try:
+                text = work.get_nowait()
+            except queue.Empty:
+                return
+            t0 = time.perf_counter()
+            try:
+                translate([text])
+            except Exception as e:  # pragma: no cover - recorded, not raised
+                errors.append(repr(e)[:300])
+            with lock:
+                timings.append(time.perf_counter() - t0)
+
+    clients = [threading.Thread(target=client) for _ in range(threads)]
+    start = time.perf_counter()
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join()
+    seconds = time.perf_counter() - start
+    return {
+        "threads": threads,
+        "sentences": len(timings),
+        "seconds": seconds,
+        "sentences_per_s": len(timings) / seconds,
+        "latency": latency_percentiles(timings),
+        "errors": errors[:5],
+    }
+
+
+# What this module loads of the package to name the machine's folder (standard library
+# only, no model code): not an import a serving process is to be blamed for.
+OWN_PACKAGE_MODULES = ("keras_transformer", "keras_transformer.precision")
+
+
+def unexpected_imports(packages=("keras_transformer", "keras_hub")) -> list[str]:
+    """The modules of `packages` loaded in this process, less `OWN_PACKAGE_MODULES`."""
+    return sorted(
+        name for name in sys.modules if name.split(".")[0] in packages and name not in OWN_PACKAGE_MODULES
+    )
+
+
 def write_json(name: str, payload: dict, out_dir: Path | str | None = None) -> Path:
     """Writes `payload` to `<out_dir or bench/results/<machine>>/<name>.json` (atomically)."""
     out = Path(out_dir) if out_dir else RESULTS_DIR

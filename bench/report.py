@@ -4,16 +4,17 @@ Usage:
     python bench/report.py                 # reads and writes this machine's bench/results/<machine>/
     python bench/report.py --results DIR   # e.g. bench/results/amd-epyc, written with --results-dir
 
-Reads `train_throughput.json`, `decode.json`, `serving*.json` and `profile-*.json`
-(whichever exist), and
-writes:
+Reads `train_throughput.json`, `decode.json`, `serving*.json`, `decode_peers*.json` and
+`profile-*.json` (whichever exist), and writes:
 
 * `RESULTS.md`: the machine, then one table per benchmark, with the targets marked met
   or missed, and a warning where the machine was busy during a measurement;
 * `train_throughput.png`: training tokens/s per configuration (preset, precision, XLA),
   one bar per implementation;
 * `decode_step_time.png`: beam-search time per decoding step vs output length
-  (log-log), cached (graph / XLA) and uncached.
+  (log-log), cached (graph / XLA) and uncached;
+* `decode_peers.png`: sentences/s with batches of 32 and the one-sentence p50 of each
+  engine of `decode_peers.py` (our SavedModel in graph mode and with XLA, CTranslate2).
 """
 
 from __future__ import annotations
@@ -406,6 +407,153 @@ def serving_section(payload):
     return lines
 
 
+# --------------------------------------------------------------------------- decoding peers
+
+
+def engine_label(record):
+    """An engine's row name: ours (graph / XLA) or CTranslate2 (compute type, threads)."""
+    name = record["engine"]
+    if record.get("kind") == "ctranslate2":
+        threads = record.get("intra_threads")
+        return f"CTranslate2 {record.get('compute_type_asked', '')}, {threads} thread{'s' if threads != 1 else ''}"
+    return {"ours-graph": "ours, graph mode", "ours-xla": "ours, XLA"}.get(name, name)
+
+
+def ratio(value, base):
+    return f"{value / base:.2f}×" if value and base else "–"
+
+
+def decode_peers_section(payload):
+    """The engines of `decode_peers.py`: a row each, ratios over CTranslate2 float32 with 1 thread."""
+    settings, sentences = payload["settings"], payload["sentences"]
+    engines = payload["engines"]
+    by_name = {r["engine"]: r for r in engines}
+    base = by_name.get(payload.get("ratio_base", "ct2-float32-1t"), {})
+    base_batched = (base.get("batched") or {}).get("sentences_per_s")
+    base_p50 = (base.get("single") or {}).get("p50_ms")
+    reference = payload.get("reference", "ours-graph")
+    lines = ["## Decoding peers: our SavedModel and CTranslate2, same weights and search", ""]
+    lines.append(f"`{payload['command']}` — {payload['date_utc']}; {load_note(payload)}.")
+    lines.append(
+        f"Multi30k test sources in file order; beam {settings['beam_size']}, no length normalisation (our "
+        f"exports: alpha 0; CTranslate2: `length_penalty=0`), at most source length + "
+        f"{settings['max_extra_length']} tokens (CTranslate2: per batch, its longest source's limit), at least "
+        f"{settings['min_length']} token. Each engine in a process of its own, one after the other; our "
+        "SavedModels through `serving_default` (TensorFlow's threads: every core), CTranslate2 on the CPU "
+        "with `intra_threads` 1 or 2 (`inter_threads` 1). Batches of "
+        f"{settings['batch_size']}: {sentences['batched']} sentences; one sentence per request: "
+        f"{sentences['single']} requests after {sentences['warmup']} warm-up ones (XLA: every timed shape "
+        f"compiled first); {sentences['threads']} client threads: {sentences['concurrent']} sentences, one per "
+        "request. Timings include tokenizing and detokenizing."
+    )
+    base_name = engine_label(base) if base else "CTranslate2 float32, 1 thread"
+    lines += [
+        "",
+        f"| engine | batches of {settings['batch_size']}: sentences/s | 1 sentence: p50 / p95 / mean ms "
+        f"| {sentences['threads']} threads: sentences/s (p50 / p95 ms) | MiB resident: after load / peak "
+        f"serving batches | same translation as {reference} | sentences/s ÷ {base_name} | p50 ÷ {base_name} |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in engines:
+        if "batched" not in r:
+            lines.append(f"| {engine_label(r)} | failed: {r.get('error', '')[:60]} | | | | | | |")
+            continue
+        s, b, c = r["single"], r["batched"], r["concurrent"]
+        busy = " ⚠" if (r.get("neighbours") or {}).get("busy") else ""
+        agree = r.get("agreement")
+        same = f"{agree['same']} / {agree['of']}" if agree else "–"
+        is_base = r is base  # its ratios are 1
+        cells = [
+            f"{engine_label(r)}{busy}",
+            fmt(b["sentences_per_s"], 1),
+            f"{fmt(s['p50_ms'], 1)} / {fmt(s['p95_ms'], 1)} / {fmt(s['mean_ms'], 1)}",
+            f"{fmt(c['sentences_per_s'], 1)} ({fmt(c['latency']['p50_ms'])} / {fmt(c['latency']['p95_ms'])})",
+            f"{fmt(r.get('rss_after_load_mb'))} / {fmt(r.get('peak_rss_batched_mb'))}",
+            same,
+            "1" if is_base else ratio(b["sentences_per_s"], base_batched),
+            "1" if is_base else ratio(s["p50_ms"], base_p50),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Ratios over {base_name}: sentences/s above 1× and p50 below 1× are faster than it. The peak resident "
+        "set (`ru_maxrss`) is the process's while it served the batches (measured first), with loading, warm-up "
+        "and, for XLA, the compilations of the batch shapes. int8 is CTranslate2's quantization of the same "
+        "float32 weights at load time: a reference, not the same arithmetic.",
+    ]
+    busy = [r for r in engines if (r.get("neighbours") or {}).get("busy")]
+    if busy:
+        lines += [
+            "",
+            "⚠ **Other processes kept cores busy while these rows were measured: "
+            + ", ".join(f"{engine_label(r)} ({r['neighbours']['neighbour_cores_during']:.1f} cores)" for r in busy)
+            + "**; their figures are pessimistic, CTranslate2's 2-thread rows' most (its OpenMP threads "
+            "spin-wait for each other).",
+        ]
+    exports = payload.get("exports", {})
+    unchecked = [flag for flag, e in exports.items() if not str(e.get("settings_checked", "")).startswith("yes")]
+    if unchecked:
+        lines += ["", f"Search settings not read from {', '.join(unchecked)} (no options signature)."]
+    # int8 computes something else: its differences are expected, the others' are news.
+    same_arithmetic = [r for r in engines if r.get("compute_type_asked") != "int8"]
+    differences = [(r, d) for r in same_arithmetic for d in (r.get("agreement") or {}).get("differences", [])[:3]]
+    if differences:
+        lines += ["", f"Translations (of the batches) that differ from {reference}'s, int8's left out:", ""]
+        lines += [
+            f"* {engine_label(r)}, sentence {d['sentence']}: `{d[r['engine']]}` ({reference}: `{d[reference]}`)"
+            for r, d in differences[:8]
+        ]
+    lines.append("")
+    return lines
+
+
+def plot_decode_peers(payload, out: Path, name="decode_peers"):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["engines"] if "batched" in r]
+    if not rows:
+        return None
+    labels = [
+        engine_label(r).replace("CTranslate2 ", "CTranslate2\n").replace(", ", "\n")
+        + ("\n(busy machine)" if (r.get("neighbours") or {}).get("busy") else "")
+        for r in rows
+    ]
+    # Ours blue, CTranslate2 orange, its int8 reference light orange.
+    colors = [
+        "#1f77b4" if r.get("kind") == "savedmodel" else "#fdbf6f" if r.get("compute_type_asked") == "int8"
+        else "#ff7f0e"
+        for r in rows
+    ]
+    batch = payload["settings"]["batch_size"]
+    panels = (
+        (f"batches of {batch}: sentences/s (higher is better)", [r["batched"]["sentences_per_s"] for r in rows],
+         "{:,.0f}"),
+        ("1 sentence per request: p50 ms (lower is better)", [r["single"]["p50_ms"] for r in rows], "{:,.1f}"),
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(max(9, 1.9 * len(rows) + 1), 4.6))
+    for ax, (title, values, form) in zip(axes, panels):
+        bars = ax.bar(range(len(rows)), values, color=colors)
+        ax.bar_label(bars, labels=[form.format(v) for v in values], fontsize=7, padding=2)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.margins(y=0.15)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        f"Our SavedModel (blue) and CTranslate2 (orange; int8 light), beam {payload['settings']['beam_size']} "
+        f"— {device_name(payload['machine'])}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def profile_section(payload, rows=8):
     """The top rows of a `profile_trace.py` summary (training step or serving requests)."""
     config = payload.get("config")
@@ -441,8 +589,11 @@ def main():
     # serving.json, and serving-*.json written with --output-name (e.g. an XLA export).
     paths = sorted(out.glob("serving*.json"), key=lambda path: (len(path.name), path.name))
     servings = [json.loads(path.read_text()) for path in paths]
+    # decode_peers.json, and decode_peers-*.json written with --output-name.
+    peer_paths = sorted(out.glob("decode_peers*.json"), key=lambda path: (len(path.name), path.name))
+    peers = [(path.stem, json.loads(path.read_text())) for path in peer_paths]
     lines = ["# Benchmark results", ""]
-    first = train or decode or (servings[0] if servings else None)
+    first = train or decode or (servings[0] if servings else None) or (peers[0][1] if peers else None)
     if first is None:
         raise SystemExit(f"No benchmark results in {out}; run the benchmarks first (see bench/README.md).")
     lines += [f"Machine: {machine_line(first)}.", ""]
@@ -459,6 +610,9 @@ def main():
         images.append(plot_decode(decode, out))
     for serving in servings:
         lines += serving_section(serving)
+    for stem, peer in peers:
+        lines += decode_peers_section(peer)
+        images.append(plot_decode_peers(peer, out, stem))
     for path in sorted(out.glob("profile-*.json")):
         lines += profile_section(json.loads(path.read_text()))
     for image in images:

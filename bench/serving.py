@@ -32,11 +32,7 @@ Writes `bench/results/<machine>/serving.json` (`--output-name` for another name,
 from __future__ import annotations
 
 import argparse
-import os
-import queue
-import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -45,31 +41,9 @@ import common  # noqa: E402  (standard library only at import)
 
 import tensorflow as tf  # noqa: E402
 import tensorflow_text  # noqa: E402, F401  (registers the SentencePiece ops of the SavedModel)
+from common import load_sentences, resolve_version_dir  # noqa: E402  (profile_trace.py imports them from here)
 
 TARGET_P50_MS = 40.0
-
-
-def resolve_version_dir(path: Path) -> Path:
-    """`path` if it holds a saved_model.pb, else its highest numeric version subdirectory."""
-    if (path / "saved_model.pb").is_file():
-        return path
-    versions = [p for p in path.iterdir() if p.is_dir() and p.name.isdigit() and (p / "saved_model.pb").is_file()]
-    if not versions:
-        raise SystemExit(f"{path} holds no SavedModel (no saved_model.pb, no numeric version directory).")
-    return max(versions, key=lambda p: int(p.name))
-
-
-def load_sentences(data_dir: str | None, source_lang: str, limit: int | None = None) -> list[str]:
-    candidates = [
-        data_dir,
-        os.environ.get("MULTI30K_DIR"),
-        str(common.REPO_ROOT.parent / "shared" / "data" / "multi30k"),
-    ]
-    for directory in candidates:
-        if directory and (Path(directory) / f"test_2016_flickr.{source_lang}").is_file():
-            lines = (Path(directory) / f"test_2016_flickr.{source_lang}").read_text(encoding="utf-8").splitlines()
-            return [line.strip() for line in lines if line.strip()][:limit]
-    raise SystemExit("Multi30k test sources not found: pass --data-dir or set MULTI30K_DIR.")
 
 
 def signature_input_name(signature) -> str:
@@ -77,18 +51,6 @@ def signature_input_name(signature) -> str:
     if len(kwargs) != 1:
         raise SystemExit(f"serving_default takes {sorted(kwargs)}; expected one string input.")
     return next(iter(kwargs))
-
-
-def latency_percentiles(seconds: list[float]) -> dict:
-    ms = [s * 1e3 for s in seconds]
-    return {
-        "requests": len(ms),
-        "p50_ms": common.percentile(ms, 50),
-        "p95_ms": common.percentile(ms, 95),
-        "p99_ms": common.percentile(ms, 99),
-        "mean_ms": statistics.mean(ms),
-        "max_ms": max(ms),
-    }
 
 
 def compiles_with_xla(version_dir: Path) -> bool:
@@ -169,14 +131,11 @@ def main():
         for batch in batches:
             request(batch)
 
+    def translate(texts):
+        return [text.decode("utf-8") for text in request(texts)["translation"]]
+
     # 1. One sentence per request, one client.
-    timings, words = [], []
-    for text in sentences[: args.latency_sentences]:
-        t0 = time.perf_counter()
-        out = request([text])
-        timings.append(time.perf_counter() - t0)
-        words.append(len(out["translation"][0].split()))
-    payload["single"] = {**latency_percentiles(timings), "mean_output_words": statistics.mean(words)}
+    payload["single"] = common.time_single(translate, sentences[: args.latency_sentences])
     p50 = payload["single"]["p50_ms"]
     payload["target_p50"] = {"p50_ms": p50, "target_ms": TARGET_P50_MS, "met": p50 <= TARGET_P50_MS}
     print(
@@ -186,67 +145,23 @@ def main():
     )
 
     # 2. Batches of 32 sentences, one client.
-    batch_times = []
-    start = time.perf_counter()
-    for batch in batches:
-        t0 = time.perf_counter()
-        request(batch)
-        batch_times.append(time.perf_counter() - t0)
-    seconds = time.perf_counter() - start
-    payload["batched"] = {
-        "batch_size": args.batch_size,
-        "sentences": len(chosen),
-        "seconds": seconds,
-        "sentences_per_s": len(chosen) / seconds,
-        "batch_latency": latency_percentiles(batch_times),
-    }
-    print(f"[serving] batches of {args.batch_size}: {len(chosen) / seconds:.1f} sentences/s", flush=True)
+    payload["batched"], _ = common.time_batches(translate, batches)
+    print(
+        f"[serving] batches of {args.batch_size}: {payload['batched']['sentences_per_s']:.1f} sentences/s",
+        flush=True,
+    )
 
     # 3. Concurrent clients, one sentence per request.
-    work = queue.Queue()
-    for text in sentences[: args.thread_sentences]:
-        work.put(text)
-    thread_timings = []
-    lock = threading.Lock()
-    errors = []
-
-    def client():
-        while True:
-            try:
-                text = work.get_nowait()
-            except queue.Empty:
-                return
-            t0 = time.perf_counter()
-            try:
-                request([text])
-            except Exception as e:  # pragma: no cover - recorded, not raised
-                errors.append(repr(e)[:300])
-            with lock:
-                thread_timings.append(time.perf_counter() - t0)
-
-    threads = [threading.Thread(target=client) for _ in range(args.threads)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.perf_counter() - start
-    payload["concurrent"] = {
-        "threads": args.threads,
-        "sentences": len(thread_timings),
-        "seconds": seconds,
-        "sentences_per_s": len(thread_timings) / seconds,
-        "latency": latency_percentiles(thread_timings),
-        "errors": errors[:5],
-    }
+    payload["concurrent"] = common.time_concurrent(translate, sentences[: args.thread_sentences], args.threads)
     print(
-        f"[serving] {args.threads} client threads: {len(thread_timings) / seconds:.1f} sentences/s, "
+        f"[serving] {args.threads} client threads: {payload['concurrent']['sentences_per_s']:.1f} sentences/s, "
         f"p50 {payload['concurrent']['latency']['p50_ms']:.0f} ms",
         flush=True,
     )
 
-    # (`import tensorflow` itself loads parts of `keras`; our package must not be loaded.)
-    imported = sorted(m for m in ("keras_transformer", "keras_hub") if m in sys.modules)
+    # (`import tensorflow` itself loads parts of `keras`; our package must not be loaded, but for
+    # the standard-library module common.py reads the CPU's flags with.)
+    imported = common.unexpected_imports()
     payload["imports_only_tf_and_tf_text"] = not imported
     payload["unexpected_imports"] = imported
     payload["load"] = common.finish_load(load, own_threads=args.threads)

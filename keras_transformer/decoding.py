@@ -225,19 +225,23 @@ def _search_transformer(
         # The self-attention buffers grow with the output (see doubling_cache_lengths).
         cache_lengths = doubling_cache_lengths(buffer_length)
         layer_caches = model.init_cache(encoder_outputs, cache_lengths[0])
-        memory = [expand_to_beams_nest(layer["cross"], beam_size) for layer in layer_caches]
+        # Per row, never reordered with the beams: the projected encoder memory and its mask.
+        row_state = {
+            "memory": [expand_to_beams_nest(layer["cross"], beam_size) for layer in layer_caches],
+            "source_mask": beam_source_mask,
+        }
         initial_cache = [layer["self"] for layer in layer_caches]
         if output_kernel is None:
             output_kernel = model.embedding.transposed_embeddings()
 
-        def symbols_to_logits_fn(ids, step, self_caches):
+        def symbols_to_logits_fn(ids, step, self_caches, row_state):
             newest = ids[:, step][:, None]
             caches = [
                 {"self": own, "cross": cross}
-                for own, cross in zip(self_caches, memory, strict=True)
+                for own, cross in zip(self_caches, row_state["memory"], strict=True)
             ]
             logits, caches = model.decode_step(
-                newest, caches, step, beam_source_mask, output_kernel=output_kernel
+                newest, caches, step, row_state["source_mask"], output_kernel=output_kernel
             )
             return logits[:, -1], [layer["self"] for layer in caches]
 
@@ -245,13 +249,16 @@ def _search_transformer(
             return [MultiHeadAttention.extend_cache(cache, length) for cache in self_caches]
 
     else:
-        beam_encoder_outputs = expand_to_beams(encoder_outputs, beam_size)
+        row_state = {
+            "encoder_outputs": expand_to_beams(encoder_outputs, beam_size),
+            "source_mask": beam_source_mask,
+        }
         initial_cache = ()
         cache_lengths = extend_cache_fn = None
 
-        def symbols_to_logits_fn(ids, step, no_cache):
+        def symbols_to_logits_fn(ids, step, no_cache, row_state):
             logits = model.decode(
-                ids[:, : step + 1], beam_encoder_outputs, beam_source_mask, training=False
+                ids[:, : step + 1], row_state["encoder_outputs"], row_state["source_mask"], training=False
             )
             return logits[:, -1], no_cache
 
@@ -272,6 +279,7 @@ def _search_transformer(
         extend_cache_fn=extend_cache_fn,
         early_stopping=early_stopping,
         min_length=min_length,
+        row_state=row_state,
     )
 
 

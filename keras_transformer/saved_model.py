@@ -110,7 +110,7 @@ def export_run(
             tensorflow-serving-api is missing (no warmup requests then).
         decoding: The `DecodingSettings` of `serving_default` (and of the unset options of
             `translate_with_options`); `None` for the run's own (`run_dir.decoding_settings`).
-        **translator_options: Other `Translator` arguments (`max_source_length`, `jit_compile`).
+        **translator_options: Other `Translator` arguments (`max_source_length`, `jit_compile`, `xla_max_batch`).
 
     Returns:
         The version directory.

@@ -27,6 +27,12 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
   its maximum length, or when no alive beam can beat its `n_best`-th finished
   hypothesis (the early stop, per row). A done row's finished hypotheses are frozen
   while other rows go on.
+* Done rows leave the batch (as in CTranslate2): the step that finishes a row moves its
+  hypotheses to the result and gathers the rows still searched, with their cache and
+  their `row_state` (per-row inputs of the scoring function that never change, such as
+  the encoder memory), so that no step scores a row that is done. In a batch of
+  sentences of different lengths this halves the work. Under XLA, whose shapes are
+  fixed, done rows stay in the batch (`drop_done_rows`); results are the same either way.
 * A minimum length (`min_length`, fairseq's `--min-len`): EOS is not generated before
   that many other tokens. `DecodingSettings` defaults to 1, so that a sentence never
   translates to an empty output (a blank one is the caller's to handle), as with fairseq
@@ -65,7 +71,7 @@ from keras_transformer.tokenizer import PAD_ID
 NEG_INF = -1e9
 _IMPOSSIBLE = NEG_INF / 2
 
-SymbolsToLogitsFn = Callable[[tf.Tensor, tf.Tensor, Any], tuple[tf.Tensor, Any]]
+SymbolsToLogitsFn = Callable[..., tuple[tf.Tensor, Any]]
 
 
 class Hypotheses(NamedTuple):
@@ -92,6 +98,8 @@ class Hypotheses(NamedTuple):
 class BeamState(NamedTuple):
     """The `tf.while_loop` state of `search`; `K` is the beam size, `T` the buffer length.
 
+    `batch` counts the rows still searched (see `Rows`).
+
     Attributes:
         step: int32 scalar, position of the newest token in the sequences (0: the
             start token only), which is also the number of tokens generated so far.
@@ -115,6 +123,29 @@ class BeamState(NamedTuple):
     finished_lengths: tf.Tensor
     finished_flags: tf.Tensor
     rows_done: tf.Tensor
+
+
+class Rows(NamedTuple):
+    """The rows of the batch still searched, and what the search keeps of each.
+
+    Attributes:
+        ids: int32 `[rows]`, each row's index in the batch, increasing.
+        max_lengths: int32 `[rows]`, most tokens each row may generate.
+        state: `search`'s `row_state`, tensors `[rows * K, ...]` (or an empty nest).
+    """
+
+    ids: tf.Tensor
+    max_lengths: tf.Tensor
+    state: Any
+
+
+class Finished(NamedTuple):
+    """Finished hypotheses `[batch, K, ...]`, best first (`BeamState`'s `finished_*` fields)."""
+
+    seq: tf.Tensor
+    scores: tf.Tensor
+    lengths: tf.Tensor
+    flags: tf.Tensor
 
 
 def length_penalty(length, alpha):
@@ -162,18 +193,24 @@ def search(
     extend_cache_fn=None,
     early_stopping="exact",
     min_length=0,
+    row_state=None,
+    drop_done_rows=None,
 ) -> Hypotheses:
     """Beam search with any scoring function (greedy decoding for `beam_size=1`).
 
     Args:
-        symbols_to_logits_fn: `(ids, step, cache) -> (logits, new_cache)`. `ids` is
-            int32 `[batch * beam_size, max_decode_length + 1]` (rows of one input
+        symbols_to_logits_fn: `(ids, step, cache) -> (logits, new_cache)`, or
+            `(ids, step, cache, row_state)` when `row_state` is given. `ids` is
+            int32 `[rows * beam_size, max_decode_length + 1]` (beams of one row
             adjacent), holding each beam's sequence up to position `step` (the newest
             token; position 0 is the start token) and padding after it. `logits` are
-            the scores of the next token, `[batch * beam_size, vocab_size]` (any float
+            the scores of the next token, `[rows * beam_size, vocab_size]` (any float
             dtype; log-softmaxed here in float32). `cache` is `initial_cache` expanded
             per beam and reordered to follow the beams; `new_cache` must have its
-            structure and shapes.
+            structure and shapes. `rows` is the number of rows still searched (done
+            rows leave the batch, see `drop_done_rows`), so the function must take
+            whatever it knows per row from its arguments, never from a tensor of the
+            whole batch it closes over.
         initial_ids: int32 `[batch]` start token of each row.
         initial_cache: Nest of tensors `[batch, ...]`, or an empty nest.
         max_decode_length: Most tokens any row may generate (the buffer length);
@@ -208,6 +245,12 @@ def search(
         min_length: EOS is not generated before this many other tokens (int or int32
             scalar; 0: EOS may come first). A row whose maximum length is reached
             first finishes there, without EOS.
+        row_state: Optional nest of tensors `[batch * beam_size, ...]` passed to
+            `symbols_to_logits_fn` as they are (per row, not reordered with the beams)
+            and gathered with the rows when done rows leave the batch: the encoder
+            memory and source mask of a translation.
+        drop_done_rows: Whether the rows that are done leave the batch (see the module
+            docstring). `None`: yes, unless the search is being compiled with XLA.
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`, see there.
@@ -221,9 +264,11 @@ def search(
     if isinstance(beam_size, int) and isinstance(n_best, int) and not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be between 1 and beam_size ({beam_size}), got {n_best}.")
     check_early_stopping(early_stopping)
+    if drop_done_rows is None:
+        drop_done_rows = not _compiling_with_xla()
     num_candidates = _num_candidates(beam_size)
 
-    def with_rows_done(state: BeamState) -> BeamState:
+    def with_rows_done(state: BeamState, rows: Rows) -> BeamState:
         """`state` with the rows whose search is over marked (see the module docstring).
 
         Sticky: under "current_length", the best alive beam can pass the finished one
@@ -234,7 +279,7 @@ def search(
         # monotonic in the length, so its most favourable value is at an end.
         best_penalty = length_penalty(state.step + 1, alpha)
         if early_stopping == "exact":
-            best_penalty = tf.maximum(best_penalty, length_penalty(row_max_lengths, alpha))
+            best_penalty = tf.maximum(best_penalty, length_penalty(rows.max_lengths, alpha))
         # "exact" waits until the n_best-th finished hypothesis is settled (the whole
         # n-best list is exact). "current_length" stops on the best one, whatever
         # n_best: waiting for more would let alive beams pass the best one, so asking
@@ -245,7 +290,7 @@ def search(
             tf.stack(
                 [
                     state.rows_done,
-                    state.step >= row_max_lengths,
+                    state.step >= rows.max_lengths,
                     best_alive <= _IMPOSSIBLE,
                     worst_kept > best_alive / best_penalty,
                 ]
@@ -254,9 +299,10 @@ def search(
         )
         return state._replace(rows_done=rows_done)
 
-    def grow(state: BeamState) -> BeamState:
+    def grow(state: BeamState, rows: Rows) -> BeamState:
+        extra = () if row_state is None else (rows.state,)
         logits, cache = symbols_to_logits_fn(
-            _merge_beams(state.alive_seq), state.step, state.alive_cache
+            _merge_beams(state.alive_seq), state.step, state.alive_cache, *extra
         )
         log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
         vocab_size = tf.shape(log_probs)[-1]
@@ -266,7 +312,8 @@ def search(
         if not (isinstance(min_length, int) and min_length <= 0):
             too_early = tf.logical_and(tf.equal(tf.range(vocab_size), eos_id), state.step < min_length)
             log_probs = tf.where(too_early, NEG_INF, log_probs)
-        log_probs = tf.reshape(log_probs, [batch_size, -1, vocab_size])  # [batch, beam, vocab]
+        rows_searched = tf.shape(state.alive_log_probs)[0]
+        log_probs = tf.reshape(log_probs, [rows_searched, -1, vocab_size])  # [rows, beam, vocab]
         # The best candidates overall are among each beam's best: a top-k per beam
         # over the vocabulary, then one over beam * num_candidates (not one over
         # beam * vocab, a slower top-k; same result, ties included: both prefer the
@@ -274,18 +321,18 @@ def search(
         per_beam = _at_most(num_candidates, log_probs.shape[-1] or vocab_size)
         beam_log_probs, beam_tokens = tf.math.top_k(log_probs, k=per_beam)
         candidate_log_probs = tf.reshape(
-            state.alive_log_probs[:, :, None] + beam_log_probs, [batch_size, -1]
+            state.alive_log_probs[:, :, None] + beam_log_probs, [rows_searched, -1]
         )
         top_log_probs, top_indices = tf.math.top_k(candidate_log_probs, k=num_candidates)
         top_beams = top_indices // per_beam
-        top_tokens = tf.gather(tf.reshape(beam_tokens, [batch_size, -1]), top_indices, batch_dims=1)
+        top_tokens = tf.gather(tf.reshape(beam_tokens, [rows_searched, -1]), top_indices, batch_dims=1)
         length = state.step + 1
         top_seq = _write_tokens(
             tf.gather(state.alive_seq, top_beams, batch_dims=1), top_tokens, length
         )
 
         possible = top_log_probs > _IMPOSSIBLE
-        complete = tf.logical_or(tf.equal(top_tokens, eos_id), (length >= row_max_lengths)[:, None])
+        complete = tf.logical_or(tf.equal(top_tokens, eos_id), (length >= rows.max_lengths)[:, None])
         alive = _select_alive(top_seq, top_log_probs, top_beams, complete, cache, beam_size)
         # A done row keeps its hypotheses while other rows go on: under
         # "current_length" an alive beam could still beat them later.
@@ -293,28 +340,46 @@ def search(
         newly_finished = tf.logical_and(tf.logical_and(complete, possible), open_rows)
         new_scores = tf.where(newly_finished, top_log_probs / length_penalty(length, alpha), NEG_INF)
         finished = _merge_finished(state, top_seq, new_scores, length, beam_size)
-        return with_rows_done(BeamState(length, *alive, *finished, state.rows_done))
+        return with_rows_done(BeamState(length, *alive, *finished, state.rows_done), rows)
 
-    def should_continue(state: BeamState):
-        return tf.logical_and(
-            state.step < max_decode_length, tf.logical_not(tf.reduce_all(state.rows_done))
+    def step(state: BeamState, rows: Rows, results: Finished):
+        state = grow(state, rows)
+        return tf.cond(
+            tf.reduce_any(state.rows_done),
+            lambda: _without_done_rows(state, rows, results, beam_size),
+            lambda: (state, rows, results),
+        )
+
+    def should_continue(state: BeamState, end):
+        # The step at `state.step` writes cache position `state.step`: below `end`.
+        return tf.reduce_all(
+            [state.step < max_decode_length, state.step < end, tf.logical_not(tf.reduce_all(state.rows_done))]
         )
 
     if cache_lengths and extend_cache_fn is None:
         raise ValueError("cache_lengths needs an extend_cache_fn to grow the cache.")
-    segment_ends = [*(cache_lengths or []), max_decode_length]
-    state = with_rows_done(_initial_state(initial_ids, initial_cache, max_decode_length, beam_size, pad_id))
-    for segment, end in enumerate(segment_ends):
+    state = _initial_state(initial_ids, initial_cache, max_decode_length, beam_size, pad_id)
+    rows = Rows(tf.range(batch_size), row_max_lengths, () if row_state is None else row_state)
+    results = _finished(state)
+    state = with_rows_done(state, rows)
+    for segment, end in enumerate([*(cache_lengths or []), max_decode_length]):
         if segment:
             state = state._replace(alive_cache=extend_cache_fn(state.alive_cache, end))
-        # The step at `state.step` writes cache position `state.step`.
-        (state,) = tf.while_loop(
-            lambda state, end=end: tf.logical_and(should_continue(state), state.step < end),
-            lambda state: (grow(state),),
-            (state,),
-            shape_invariants=(tf.nest.map_structure(_any_batch_size, state),),
-        )
-    return _hypotheses(state, n_best, pad_id)
+        if drop_done_rows:
+            state, rows, results = tf.while_loop(
+                lambda state, rows, results, end=end: should_continue(state, end),
+                step,
+                (state, rows, results),
+                shape_invariants=tf.nest.map_structure(_any_batch_size, (state, rows, results)),
+            )
+        else:  # Only the state varies: loop variables that never change broke XLA's lowering here.
+            (state,) = tf.while_loop(
+                lambda state, end=end: should_continue(state, end),
+                lambda state: (grow(state, rows),),
+                (state,),
+                shape_invariants=(tf.nest.map_structure(_any_batch_size, state),),
+            )
+    return _hypotheses(_with_rows(results, rows.ids, _finished(state)), n_best, pad_id)
 
 
 def doubling_cache_lengths(max_decode_length, first=16, doublings=2):
@@ -424,13 +489,52 @@ def _merge_finished(state, top_seq, new_scores, length, beam_size):
     )
 
 
-def _hypotheses(state: BeamState, n_best, pad_id) -> Hypotheses:
+def _compiling_with_xla():
+    """Whether the ops being made are for an XLA computation (`tf.function(jit_compile=True)`)."""
+    from tensorflow.python.ops import control_flow_util  # What tf.while_loop itself asks.
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def _finished(state: BeamState) -> Finished:
+    return Finished(state.finished_seq, state.finished_scores, state.finished_lengths, state.finished_flags)
+
+
+def _with_rows(results: Finished, row_ids, finished: Finished) -> Finished:
+    """`results` with its rows `row_ids` replaced by `finished`'s rows."""
+    indices = row_ids[:, None]
+    return Finished(*(tf.tensor_scatter_nd_update(r, indices, f) for r, f in zip(results, finished, strict=True)))
+
+
+def _gather_rows(flat, kept, beam_size):
+    """The rows `kept` of a tensor `[rows * beam, ...]`, each with its beams."""
+    per_row = tf.reshape(flat, tf.concat([[-1, beam_size], tf.shape(flat)[1:]], axis=0))
+    kept_rows = tf.gather(per_row, kept)
+    return tf.reshape(kept_rows, tf.concat([[-1], tf.shape(flat)[1:]], axis=0))
+
+
+def _without_done_rows(state: BeamState, rows: Rows, results: Finished, beam_size):
+    """Moves the done rows' hypotheses to `results` and drops those rows from the search."""
+    done = tf.where(state.rows_done)[:, 0]
+    results = _with_rows(
+        results, tf.gather(rows.ids, done), Finished(*(tf.gather(t, done) for t in _finished(state)))
+    )
+    kept = tf.where(tf.logical_not(state.rows_done))[:, 0]
+    alive_cache, row_state = tf.nest.map_structure(
+        lambda t: _gather_rows(t, kept, beam_size), (state.alive_cache, rows.state)
+    )
+    per_row = [name for name in BeamState._fields if name not in ("step", "alive_cache")]
+    state = state._replace(alive_cache=alive_cache, **{name: tf.gather(getattr(state, name), kept) for name in per_row})
+    return state, Rows(tf.gather(rows.ids, kept), tf.gather(rows.max_lengths, kept), row_state), results
+
+
+def _hypotheses(finished: Finished, n_best, pad_id) -> Hypotheses:
     """The `n_best` finished hypotheses, empty slots blanked; squeezed for `n_best=None`."""
     count = 1 if n_best is None else n_best
-    flags = state.finished_flags[:, :count]
-    tokens = tf.where(flags[:, :, None], state.finished_seq[:, :count, 1:], pad_id)
-    lengths = tf.where(flags, state.finished_lengths[:, :count], 0)
-    scores = tf.where(flags, state.finished_scores[:, :count], NEG_INF)
+    flags = finished.flags[:, :count]
+    tokens = tf.where(flags[:, :, None], finished.seq[:, :count, 1:], pad_id)
+    lengths = tf.where(flags, finished.lengths[:, :count], 0)
+    scores = tf.where(flags, finished.scores[:, :count], NEG_INF)
     if n_best is None:
         return Hypotheses(tokens[:, 0], lengths[:, 0], scores[:, 0])
     return Hypotheses(tokens, lengths, scores)

@@ -30,10 +30,13 @@ Input handling, chosen so that no input makes serving fail:
   length, so a sentence translates the same alone or in any batch (up to float
   rounding of different batch shapes).
 
-With `jit_compile=True`, `translate`'s search (not the tokenizer, whose ops XLA cannot
-compile) runs as one XLA computation, which on CPUs saves most of the per-op overhead
-of a small batch (see docs/performance.md). XLA compiles once per input shape, so
-sources are padded to a few bucket lengths (powers of two from 16 to
+With `jit_compile=True`, `translate`'s search of a batch of up to `xla_max_batch`
+sentences (not the tokenizer, whose ops XLA cannot compile) runs as one XLA
+computation, which on CPUs saves most of the per-op overhead of a small batch (see
+docs/performance.md). Larger batches take the graph-mode search, where rows that are
+done leave the batch; XLA's fixed shapes keep them, which costs more than the per-op
+overhead once a batch holds sentences of many lengths. XLA compiles once per input
+shape, so sources are padded to a few bucket lengths (powers of two from 16 to
 `max_source_length`): a server compiles each (batch size, bucket) it meets once. TF
 Serving runs such a model on a CPU only with `--xla_cpu_compilation_enabled=true`.
 
@@ -52,12 +55,21 @@ from keras_transformer.decoding import MAX_BEAM_SIZE, NEG_INF, DecodingSettings,
 from keras_transformer.signatures import OPTIONS_SIGNATURE, SERVING_SIGNATURE
 from keras_transformer.tokenizer import EOS_ID, PAD_ID, SubwordTokenizer
 
-__all__ = ["DEFAULT_MAX_SOURCE_LENGTH", "MAX_BEAM_SIZE", "Translator", "pad_to_bucket", "xla_buckets"]
+__all__ = [
+    "DEFAULT_MAX_SOURCE_LENGTH",
+    "DEFAULT_XLA_MAX_BATCH",
+    "MAX_BEAM_SIZE",
+    "Translator",
+    "pad_to_bucket",
+    "xla_buckets",
+]
 
 # Sources are cut to this many tokens, EOS included, unless a translator is told otherwise.
 DEFAULT_MAX_SOURCE_LENGTH = DEFAULT_MAX_LENGTH
 # Shortest source bucket of the XLA search; longer buckets double up to max_source_length.
 MIN_XLA_BUCKET = 16
+# Largest batch `translate` searches with XLA when compiled; larger ones drop done rows instead.
+DEFAULT_XLA_MAX_BATCH = 16
 
 
 def _input_specs(signature):
@@ -79,9 +91,11 @@ class Translator(tf.Module):
             at `model.max_positions` for learned positional encodings).
         vocabulary_file: Optional path of the tokenizer's SentencePiece model file;
             saved with the module as an asset (`assets/`), for clients and tools.
-        jit_compile: Compile `translate`'s beam search with XLA, sources padded to
-            `xla_buckets` lengths (see the module docstring). `translate_with_options`
-            stays in graph mode.
+        jit_compile: Compile `translate`'s beam search with XLA for batches of up to
+            `xla_max_batch` sentences, sources padded to `xla_buckets` lengths (see the
+            module docstring). `translate_with_options` stays in graph mode.
+        xla_max_batch: With `jit_compile`, the largest batch searched with XLA
+            (0: none; a large value: all).
         name: Module name.
 
     Keep a reference to the translator while calling `translate` or
@@ -99,6 +113,7 @@ class Translator(tf.Module):
         max_source_length=DEFAULT_MAX_SOURCE_LENGTH,
         vocabulary_file=None,
         jit_compile=False,
+        xla_max_batch=DEFAULT_XLA_MAX_BATCH,
         name=None,
     ):
         super().__init__(name=name)
@@ -128,6 +143,7 @@ class Translator(tf.Module):
             None if vocabulary_file is None else tf.saved_model.Asset(str(vocabulary_file))
         )
         self.jit_compile = jit_compile
+        self.xla_max_batch = xla_max_batch
         # Saved with the module, so that a loaded model (and the serving benchmark)
         # can tell how it searches.
         self.early_stopping_rule = tf.Variable(
@@ -191,7 +207,11 @@ class Translator(tf.Module):
         """
         source_ids, blank = self._source_ids(text)
         if self.jit_compile:
-            best = self._compiled_search(pad_to_bucket(source_ids, self.xla_buckets))
+            best = tf.cond(
+                tf.shape(source_ids)[0] <= self.xla_max_batch,
+                lambda: self._compiled_search(pad_to_bucket(source_ids, self.xla_buckets)),
+                lambda: self._search(source_ids),
+            )
         else:
             best = self._search(source_ids)
         return {

@@ -59,8 +59,11 @@ def table_logits(tables, rows, step, prefix_hash):
     return tf.gather_nd(tables, tf.stack([rows, steps, prefix_hash], axis=-1))
 
 
-def make_scorer(tables, counter=None):
-    """`symbols_to_logits_fn` reading `tables` by row, step and prefix hash (kept in the cache)."""
+def make_scorer(tables, counter=None, scored=None):
+    """`symbols_to_logits_fn` reading `tables` by row, step and prefix hash (kept in the cache).
+
+    `counter` counts its calls (steps), `scored` the beams it scores.
+    """
     tables = tf.constant(tables)
 
     def symbols_to_logits_fn(ids, step, cache):
@@ -68,6 +71,8 @@ def make_scorer(tables, counter=None):
         logits = table_logits(tables, cache["row"], step, prefix_hash)
         if counter is not None:
             counter.assign_add(1)
+        if scored is not None:
+            scored.assign_add(tf.shape(ids)[0])
         return logits, {"hash": prefix_hash, "row": cache["row"]}
 
     return symbols_to_logits_fn
@@ -118,12 +123,14 @@ def run_search(
     never_emit_ids=(),
     early_stopping="exact",
     min_length=0,
+    scored=None,
+    drop_done_rows=None,
 ):
     """`decoding.search` over `tables`; with `cache_lengths`, the history scorer's growing cache."""
     rows = len(tables)
     row_max_lengths = ROW_MAX_LENGTHS[:rows] if row_max_lengths is None else row_max_lengths
     if cache_lengths is None:
-        scorer = make_scorer(tables, counter)
+        scorer = make_scorer(tables, counter, scored)
         initial_cache = {"hash": tf.zeros([rows], tf.int32), "row": tf.range(rows)}
         growth = {}
     else:
@@ -146,6 +153,7 @@ def run_search(
             never_emit_ids=never_emit_ids,
             early_stopping=early_stopping,
             min_length=min_length,
+            drop_done_rows=drop_done_rows,
             **growth,
         )
 
@@ -447,6 +455,26 @@ def test_xla_compiled_search_gives_the_same_hypotheses():
         compiled = run_search(tables, beam_size, 0.6, n_best=beam_size, jit_compile=True)
         np.testing.assert_array_equal(compiled.tokens, expected.tokens)
         np.testing.assert_allclose(compiled.scores, expected.scores, rtol=1e-6)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_a_batch_scores_each_row_only_until_its_search_is_over(beam_size):
+    # Done rows leave the batch: a batch scores as many beams as its rows searched alone,
+    # not every row for as many steps as its longest one.
+    tables = make_tables(seed=6)
+    scored_in_batch, scored_without_dropping = tf.Variable(0), tf.Variable(0)
+    batch = run_search(tables, beam_size, 0.6, n_best=1, scored=scored_in_batch)
+    kept = run_search(tables, beam_size, 0.6, n_best=1, scored=scored_without_dropping, drop_done_rows=False)
+    scored_alone = 0
+    for row, max_length in enumerate(ROW_MAX_LENGTHS):
+        scored = tf.Variable(0)
+        alone = run_search(tables[row : row + 1], beam_size, 0.6, n_best=1, row_max_lengths=[max_length], scored=scored)
+        scored_alone += int(scored.numpy())
+        for result in (batch, kept):
+            np.testing.assert_array_equal(result.tokens[row, :, :max_length], alone.tokens[0, :, :max_length])
+            np.testing.assert_allclose(result.scores[row], alone.scores[0], rtol=1e-6)
+    assert int(scored_in_batch.numpy()) == scored_alone
+    assert int(scored_without_dropping.numpy()) > scored_alone  # so the count means something
 
 
 def test_search_stops_once_no_alive_beam_can_win():

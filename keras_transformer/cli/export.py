@@ -23,12 +23,13 @@ PROG = Path(sys.argv[0]).name if Path(sys.argv[0]).name == "kt-export" else "pyt
 FORMATS = ("savedmodel", "ctranslate2")
 # The flags of --format savedmodel alone (their defaults are None or False).
 SAVEDMODEL_FLAGS = (
-    "version", "model_name", "beam_size", "alpha", "max_extra_length", "min_length", "early_stopping", "jit_compile"
+    "version", "model_name", "beam_size", "alpha", "max_extra_length", "min_length", "early_stopping", "jit_compile",
+    "xla_max_batch",
 )
 
 
 def parse_args(argv=None):
-    from keras_transformer.translator import DEFAULT_MAX_SOURCE_LENGTH
+    from keras_transformer.translator import DEFAULT_MAX_SOURCE_LENGTH, DEFAULT_XLA_MAX_BATCH
 
     defaults = DecodingSettings()
     parser = argparse.ArgumentParser(
@@ -97,6 +98,12 @@ def parse_args(argv=None):
         "docs/performance.md; TF Serving then needs --xla_cpu_compilation_enabled=true on CPUs).",
     )
     parser.add_argument(
+        "--xla-max-batch",
+        type=int,
+        help=f"With --jit-compile, the largest batch searched with XLA (default {DEFAULT_XLA_MAX_BATCH}); "
+        "larger batches take the graph-mode search, in which finished sentences leave the batch.",
+    )
+    parser.add_argument(
         "--early-stopping",
         choices=EARLY_STOPPING,
         help="When the beam search stops: exact (default, the paper's code: once no live "
@@ -110,6 +117,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.min_length is not None and args.min_length < 0:
         parser.error("--min-length must be 0 or more.")
+    if args.xla_max_batch is not None and not args.jit_compile:
+        parser.error("--xla-max-batch needs --jit-compile.")
+    if args.xla_max_batch is not None and args.xla_max_batch < 0:
+        parser.error("--xla-max-batch must be 0 or more.")
     if args.format == "ctranslate2":
         given = [name for name in SAVEDMODEL_FLAGS if getattr(args, name) not in (None, False)]
         if given:
@@ -152,6 +163,7 @@ def main(argv=None):
         return export_ctranslate2(args)
     from keras_transformer.run_dir import RunDirError
     from keras_transformer.saved_model import ExportError, export_run
+    from keras_transformer.translator import DEFAULT_XLA_MAX_BATCH
 
     try:
         export_run(
@@ -164,6 +176,7 @@ def main(argv=None):
             decoding=decoding_settings(args),
             max_source_length=args.max_source_length,
             jit_compile=args.jit_compile,
+            xla_max_batch=DEFAULT_XLA_MAX_BATCH if args.xla_max_batch is None else args.xla_max_batch,
         )
     except (ExportError, RunDirError, ValueError, OSError) as error:
         print(f"export failed: {error}", file=sys.stderr)
