@@ -30,9 +30,10 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
 * Done rows leave the batch (as in CTranslate2): the step that finishes a row moves its
   hypotheses to the result and gathers the rows still searched, with their cache and
   their `row_state` (per-row inputs of the scoring function that never change, such as
-  the encoder memory), so that no step scores a row that is done. In a batch of
-  sentences of different lengths this halves the work. Under XLA, whose shapes are
-  fixed, done rows stay in the batch (`drop_done_rows`); results are the same either way.
+  the encoder memory), so that no step scores a row that is done: a batch costs about
+  what its rows cost one by one, not its longest row's steps for every row. Under XLA,
+  whose shapes are fixed, done rows stay in the batch (`drop_done_rows`); results are
+  the same either way.
 * A minimum length (`min_length`, fairseq's `--min-len`): EOS is not generated before
   that many other tokens. `DecodingSettings` defaults to 1, so that a sentence never
   translates to an empty output (a blank one is the caller's to handle), as with fairseq
