@@ -62,6 +62,7 @@ from keras_transformer.decoding_settings import DecodingSettings
 from keras_transformer.embeddings import sinusoidal_encoding
 from keras_transformer.saved_model import ExportError
 from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from keras_transformer.translator import DEFAULT_MAX_SOURCE_LENGTH
 
 __all__ = [
     "CHECK_SENTENCES",
@@ -88,9 +89,6 @@ CHECK_SENTENCES = (
 )
 # Largest difference allowed between CTranslate2's token log-probabilities and ours.
 CHECK_TOLERANCE = 1e-3
-# Sources of the check are cut as `Translator` cuts them (its default max_source_length).
-_CHECK_MAX_SOURCE_LENGTH = 256
-_CHECK_MAX_EXTRA_LENGTH = 50
 
 
 def _ctranslate2():
@@ -322,7 +320,7 @@ def export_run(run_dir, out, *, which="best", check_sentences=(), log=print):
     return out
 
 
-def tokenize_sources(tokenizer, sentences, max_source_length=_CHECK_MAX_SOURCE_LENGTH):
+def tokenize_sources(tokenizer, sentences, max_source_length=DEFAULT_MAX_SOURCE_LENGTH):
     """Our source ids of `sentences`, as `Translator` makes them: cut, ending with EOS (lists of ints)."""
     tokens = tokenizer.tokenize(list(sentences))
     return [[int(i) for i in row[: max_source_length - 1]] + [EOS_ID] for row in tokens.to_list()]
@@ -352,7 +350,7 @@ def check_export(directory, model, tokenizer, sentences):
     pieces = vocabulary_pieces(tokenizer.model_proto)
     yield f"CTranslate2 loads {directory}"
     sources = [ids for ids in tokenize_sources(tokenizer, sentences) if len(ids) > 1]
-    greedy = DecodingSettings(beam_size=1, alpha=0.0, max_extra_length=_CHECK_MAX_EXTRA_LENGTH)
+    greedy = DecodingSettings(beam_size=1, alpha=0.0)
     targets = [ids for ids, _ in translate_ids(translator, sources, pieces, greedy)]
     theirs = score_ids(translator, sources, targets, pieces)
     ours = our_log_probs(model, sources, targets)
