@@ -148,7 +148,9 @@ def test_without_ctranslate2_the_command_fails_in_one_line_naming_the_extra(tmp_
     assert not out.exists()
 
 
-@pytest.mark.parametrize("flags", [["--beam-size", "2"], ["--version", "3"], ["--jit-compile"]])
+@pytest.mark.parametrize(
+    "flags", [["--beam-size", "2"], ["--version", "3"], ["--jit-compile"], ["--max-source-length", "32"]]
+)
 def test_the_savedmodel_flags_are_refused_with_format_ctranslate2(flags, capsys):
     from keras_transformer.cli.export import parse_args
 

@@ -24,7 +24,7 @@ FORMATS = ("savedmodel", "ctranslate2")
 # The flags of --format savedmodel alone (their defaults are None or False).
 SAVEDMODEL_FLAGS = (
     "version", "model_name", "beam_size", "alpha", "max_extra_length", "min_length", "early_stopping", "jit_compile",
-    "xla_max_batch",
+    "xla_max_batch", "max_source_length",
 )
 
 
@@ -84,7 +84,6 @@ def parse_args(argv=None):
     parser.add_argument(
         "--max-source-length",
         type=int,
-        default=DEFAULT_MAX_SOURCE_LENGTH,
         help=f"Sources are cut to this many tokens, EOS included (default {DEFAULT_MAX_SOURCE_LENGTH}).",
     )
     # The flag's name before the lengths had one name each; old commands keep working.
@@ -128,6 +127,8 @@ def parse_args(argv=None):
                 f"--{given[0].replace('_', '-')} is for --format savedmodel: a CTranslate2 model takes its "
                 "decoding options when it translates."
             )
+    elif args.max_source_length is None:
+        args.max_source_length = DEFAULT_MAX_SOURCE_LENGTH
     return args
 
 
