@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -91,6 +92,70 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], target_l
     bleu_score, chrf_score = bleu.corpus_score(hypotheses, references), chrf.corpus_score(hypotheses, references)
     # After scoring: a signature names the number of references, known only then.
     return Scores(bleu_score, chrf_score, str(bleu.get_signature()), str(chrf.get_signature()))
+
+
+# Words and runs of punctuation: "U-Bahn-Bahn" is U, -, Bahn, -, Bahn; "..." is one token.
+_TOKEN = re.compile(r"\w+|[^\w\s]+")
+# A translation loops if a span of at most this many tokens comes this many times in a row.
+LOOP_SPAN, LOOP_REPEATS = 4, 3
+# A translation stops early if it has fewer than this share of its reference's tokens.
+SHORT_SHARE = 0.5
+
+
+def loops(text: str) -> bool:
+    """Whether a span of 1 to `LOOP_SPAN` tokens comes `LOOP_REPEATS` or more times in a row in `text`."""
+    tokens = _TOKEN.findall(text)
+    for span in range(1, LOOP_SPAN + 1):
+        for start in range(len(tokens) - span * LOOP_REPEATS + 1):
+            first = tokens[start:start + span]
+            if all(tokens[start + k * span:start + (k + 1) * span] == first for k in range(1, LOOP_REPEATS)):
+                return True
+    return False
+
+
+def stops_early(translation: str, reference: str) -> bool:
+    """Whether `translation` has fewer than `SHORT_SHARE` of `reference`'s tokens."""
+    return len(_TOKEN.findall(translation)) < SHORT_SHARE * len(_TOKEN.findall(reference))
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputReport:
+    """What a corpus's translations look like beside their references, past the headline BLEU.
+
+    Attributes:
+        sentences: Translations looked at.
+        looping: How many `loops` (a span of 1-4 tokens 3+ times in a row).
+        short: How many `stops_early` (under half their reference's tokens).
+        lowercase_bleu: sacrebleu's BLEU with `--lowercase` (13a), the figure closest to
+            published Multi30k results, which are lowercased and tokenized.
+        lowercase_signature: Its signature (`case:lc`).
+    """
+
+    sentences: int
+    looping: int
+    short: int
+    lowercase_bleu: float
+    lowercase_signature: str
+
+    def __str__(self):
+        return (f"{self.looping} of {self.sentences} translations loop (a span of 1-{LOOP_SPAN} tokens "
+                f"{LOOP_REPEATS}+ times in a row), {self.short} are under half their reference's length; "
+                f"lowercased BLEU {self.lowercase_bleu:.2f} | {self.lowercase_signature}")
+
+
+def output_report(hypotheses: Sequence[str], references: Sequence[str], target_lang: str = "") -> OutputReport:
+    """Loops, early stops and lowercased BLEU of translations against one reference each."""
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references.")
+    bleu = sacrebleu.metrics.BLEU(trg_lang=target_lang, lowercase=True)
+    score = bleu.corpus_score(list(hypotheses), [list(references)])
+    return OutputReport(
+        sentences=len(hypotheses),
+        looping=sum(map(loops, hypotheses)),
+        short=sum(map(stops_early, hypotheses, references)),
+        lowercase_bleu=score.score,
+        lowercase_signature=str(bleu.get_signature()),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

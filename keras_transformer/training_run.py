@@ -353,13 +353,14 @@ def final_evaluation(run, corpus, settings):
         max_source_length=settings.max_length, on_batch=translation_progress("test sentences"),
     )
     scores = evaluation.corpus_scores(translations, references, corpus.target_lang)
+    report = evaluation.output_report(translations, references, corpus.target_lang)
     output = run / run_dir.TRANSLATIONS_DIR / f"test.{corpus.target_lang}"
     evaluation.write_lines(output, translations)
     with tf.summary.create_file_writer(str(run / run_dir.LOG_DIR / "test")).as_default():
-        for tag, value in scores.metrics().items():
+        for tag, value in {**scores.metrics(), "bleu_lowercase": report.lowercase_bleu}.items():
             tf.summary.scalar(tag, value, step=run_dir.checkpoint_step(which))
-    logger.info("Test BLEU and chrF (%s, %d sentences, %.0fs):\n  %s", name, len(sources),
-                time.monotonic() - started, str(scores).replace("\n", "\n  "))
+    logger.info("Test BLEU and chrF (%s, %d sentences, %.0fs):\n  %s\n  %s", name, len(sources),
+                time.monotonic() - started, str(scores).replace("\n", "\n  "), report)
     logger.info("Translations: %s", output)
     for source, reference, translation in list(zip(sources, references, translations))[:3]:
         logger.info("  source:      %s\n  reference:   %s\n  translation: %s", source, reference, translation)

@@ -58,6 +58,40 @@ def test_scores_print_bleu_then_chrf_each_with_its_signature():
     assert chrf_line == f"chrF2 = {scores.chrf.score:.2f} | {CHRF_SIGNATURE}"
 
 
+@pytest.mark.parametrize(
+    "text, looping",
+    [
+        ("Ein Mann fährt U-Bahn-Bahn-Bahn.", True),  # "- Bahn" three times
+        ("ja ja ja", True),
+        ("auf dem Weg , auf dem Weg , auf dem Weg ,", True),  # a span of 4 tokens
+        ("auf dem Weg , auf dem Weg , der auf dem Weg", False),  # not in a row
+        ("Ein Kind , ein Kind , ein Kind , ein Kind", True),  # "Kind , ein": case counts
+        ("Ein Kind , ein Kind , ein Kind", False),  # "Kind , ein" twice
+        ("Zwei Hunde , zwei Hunde .", False),  # only twice
+        ("Ein Hund wartet ...", False),  # "..." is one token
+        ("", False),
+    ],
+)
+def test_a_translation_loops_when_a_short_span_comes_three_times_in_a_row(text, looping):
+    assert evaluation.loops(text) is looping
+
+
+def test_the_output_report_counts_loops_and_early_stops_and_gives_lowercased_bleu():
+    references = ["Ein Mann fährt mit der U-Bahn .", "Ein Hund rennt über das Gras .", "Zwei Kinder spielen ."]
+    hypotheses = ["ein Mann fährt U-Bahn-Bahn-Bahn .", "Ein Hund .", "zwei Kinder spielen ."]
+
+    report = evaluation.output_report(hypotheses, references, "de")
+
+    # "Ein Hund ." has 3 of its reference's 8 tokens; "zwei Kinder spielen ." all 4.
+    assert (report.sentences, report.looping, report.short) == (3, 1, 1)
+    expected = sacrebleu.corpus_bleu(hypotheses, [references], lowercase=True)
+    assert report.lowercase_bleu == expected.score
+    assert report.lowercase_bleu > sacrebleu.corpus_bleu(hypotheses, [references]).score  # "ein", "zwei"
+    assert "case:lc" in report.lowercase_signature
+    with pytest.raises(ValueError, match="2 hypotheses for 3 references"):
+        evaluation.output_report(hypotheses[:2], references)
+
+
 def test_as_many_hypotheses_as_references_are_needed():
     with pytest.raises(ValueError, match="3 hypotheses for 4 references"):
         evaluation.corpus_scores(HYPOTHESES[:3], REFERENCES)
@@ -132,13 +166,16 @@ def test_the_test_set_line_and_scalars_hold_bleu_and_chrf(tmp_path, monkeypatch,
 
     expected = evaluation.corpus_scores(HYPOTHESES, REFERENCES, "de")
     (line,) = [record.getMessage() for record in caplog.records if record.getMessage().startswith("Test ")]
-    headline, bleu_line, chrf_line = line.splitlines()
+    headline, bleu_line, chrf_line, report_line = line.splitlines()
     assert headline.startswith("Test BLEU and chrF (checkpoints/ckpt-7, 4 sentences, ")
     assert bleu_line == f"  {expected.bleu} | {BLEU_SIGNATURE}"
     assert chrf_line == f"  {expected.chrf} | {CHRF_SIGNATURE}"
+    assert report_line == f"  {evaluation.output_report(HYPOTHESES, REFERENCES, 'de')}"
     scalars = run_dir.read_scalars(tmp_path / run_dir.LOG_DIR / "test")
     assert _values(scalars, "bleu") == [(7, pytest.approx(sacrebleu.corpus_bleu(HYPOTHESES, [REFERENCES]).score))]
     assert _values(scalars, "chrf") == [(7, pytest.approx(sacrebleu.corpus_chrf(HYPOTHESES, [REFERENCES]).score))]
+    lowercase = sacrebleu.corpus_bleu(HYPOTHESES, [REFERENCES], lowercase=True).score
+    assert _values(scalars, "bleu_lowercase") == [(7, pytest.approx(lowercase))]
     assert (tmp_path / run_dir.TRANSLATIONS_DIR / "test.de").read_text(encoding="utf-8").splitlines() == HYPOTHESES
 
 
