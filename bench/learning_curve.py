@@ -2,9 +2,12 @@
 
 Usage:
     python bench/learning_curve.py --run-dir runs/multi30k-medium
+    python bench/learning_curve.py --run-dir runs/multi30k-medium --name multi30k-medium-new \
+        --against bench/results/MACHINE/learning_curve-multi30k-medium-old-recipe.json   # overlay an earlier curve
 
 Reads `RUN/logs/{train,validation,test}` (the events `train.py` writes) and writes
-`bench/results/<machine>/learning_curve-RUNNAME.json` and `.png`. Minutes are wall-clock minutes since
+`bench/results/<machine>/learning_curve-NAME.json` and `.png` (NAME: the run directory's
+name unless `--name`). Minutes are wall-clock minutes since
 the run's first training summary (written after its first `--log-every` steps, so the
 set-up and those steps are not counted); they include the time spent validating (and a
 resumed run's pause: the JSON keeps the raw wall times).
@@ -13,6 +16,7 @@ resumed run's pause: the JSON keeps the raw wall times).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -45,7 +49,8 @@ def learning_curve(run_dir: Path) -> dict:
     }
 
 
-def plot(curve: dict, path: Path) -> None:
+def plot(curve: dict, path: Path, against: dict[str, dict] | None = None) -> None:
+    """Validation (and test) BLEU and the losses against minutes; `against`: earlier curves' BLEU by label."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,6 +59,10 @@ def plot(curve: dict, path: Path) -> None:
     fig, (bleu_axis, loss_axis) = plt.subplots(1, 2, figsize=(11, 4))
     bleu = curve["validation"].get("bleu", [])
     bleu_axis.plot([p["minutes"] for p in bleu], [p["value"] for p in bleu], "o-", label="validation BLEU")
+    for label, other in (against or {}).items():
+        points = other["validation"].get("bleu", [])
+        bleu_axis.plot([p["minutes"] for p in points], [p["value"] for p in points], "x--", alpha=0.7,
+                       label=f"validation BLEU, {label}")
     test_bleu = curve["test"].get("bleu", [])
     if test_bleu:
         bleu_axis.plot([p["minutes"] for p in test_bleu], [p["value"] for p in test_bleu], "s",
@@ -77,12 +86,16 @@ def plot(curve: dict, path: Path) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", type=Path, required=True, help="a train.py run directory")
+    parser.add_argument("--name", help="the results' name (default: the run directory's name)")
+    parser.add_argument("--against", type=Path, nargs="+", default=[],
+                        help="earlier curves (this script's JSON) whose validation BLEU the plot shows too")
     args = parser.parse_args()
 
     curve = learning_curve(args.run_dir)
-    name = f"learning_curve-{args.run_dir.resolve().name}"
+    against = {path.stem.removeprefix("learning_curve-"): json.loads(path.read_text()) for path in args.against}
+    name = f"learning_curve-{args.name or args.run_dir.resolve().name}"
     common.write_json(name, curve)
-    plot(curve, common.RESULTS_DIR / f"{name}.png")
+    plot(curve, common.RESULTS_DIR / f"{name}.png", against)
     for point in curve["validation"].get("bleu", []):
         print(f"step {point['step']:>6}  {point['minutes']:6.1f} min  validation BLEU {point['value']:.2f}")
     for point in curve["test"].get("bleu", []):
