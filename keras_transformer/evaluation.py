@@ -8,7 +8,9 @@ figure that the paper's tokenized "multi-bleu" is not. chrF (sacrebleu's chrF2:
 character 6-grams, beta 2, no word n-grams) comes next to it: it needs no tokenization
 and still moves when few 4-grams match, as early in training. Each score is reported
 with sacrebleu's signature, e.g. `nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`
-and `nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.6.0`.
+and `nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.6.0`. For the test set,
+`output_report` adds what the score hides: how many translations loop or stop early, and
+lowercased BLEU, the figure nearest published Multi30k results.
 
 Validation during training (`Validator`) computes the loss, perplexity and token
 accuracy on the whole validation split (teacher forcing), and BLEU and chrF on its first
