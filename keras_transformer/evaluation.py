@@ -72,6 +72,11 @@ class Scores:
         return f"{self.bleu} | {self.bleu_signature}\n{self.chrf} | {self.chrf_signature}"
 
 
+def _check_one_reference_each(hypotheses, references):
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references.")
+
+
 def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], target_lang: str = "") -> Scores:
     """sacrebleu corpus BLEU and chrF of detokenized, cased hypotheses against one reference each.
 
@@ -87,8 +92,7 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], target_l
     Raises:
         ValueError: If there are not as many hypotheses as references.
     """
-    if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references.")
+    _check_one_reference_each(hypotheses, references)
     hypotheses, references = list(hypotheses), [list(references)]
     bleu, chrf = sacrebleu.metrics.BLEU(trg_lang=target_lang), sacrebleu.metrics.CHRF()
     bleu_score, chrf_score = bleu.corpus_score(hypotheses, references), chrf.corpus_score(hypotheses, references)
@@ -147,8 +151,7 @@ class OutputReport:
 
 def output_report(hypotheses: Sequence[str], references: Sequence[str], target_lang: str = "") -> OutputReport:
     """Loops, early stops and lowercased BLEU of translations against one reference each."""
-    if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references.")
+    _check_one_reference_each(hypotheses, references)
     bleu = sacrebleu.metrics.BLEU(trg_lang=target_lang, lowercase=True)
     score = bleu.corpus_score(list(hypotheses), [list(references)])
     return OutputReport(
