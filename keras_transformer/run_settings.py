@@ -207,14 +207,14 @@ def config_key(name):
 def defaults(preset, dataset):
     """The settings of a new run of `preset` on `dataset` given nothing else: recipe, then corpus, then general."""
     recipe, corpus = get_recipe(preset), corpora.get_corpus_entry(dataset)
-    return dict(
+    general = dict(
         preset=preset, dataset=dataset, source_lang=None, target_lang=None,
         vocab_size=corpus.vocab_size, max_length=corpus.max_length, long_sentences="filter",
         seed=0, dropout=recipe.model["dropout_rate"], label_smoothing=0.1, mixed_precision=precision.AUTO,
         jit_compile=False, epochs=None, patience=0, replicas=None, precision_reason=None,
         beam_size=recipe.decoding.beam_size, alpha=recipe.decoding.alpha,
-        **recipe.training,
     )
+    return {**general, **recipe.training}
 
 
 def layered(*layers):

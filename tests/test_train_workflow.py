@@ -107,6 +107,18 @@ def test_flags_override_the_file_which_overrides_the_run_and_the_recipe(tmp_path
     assert settings.keep_checkpoints == 3 and settings.preset == "tiny"  # the recipe of the run's preset
 
 
+def test_a_recipes_vocabulary_size_is_over_the_corpus_and_under_the_flag(tmp_path):
+    from keras_transformer.corpora import CORPORA
+
+    def vocab_size(*flags):
+        return _resolve("--run-dir", str(tmp_path / "run"), *flags).vocab_size
+
+    assert "vocab_size" not in RECIPES["small"].training
+    assert vocab_size("--preset", "small") == CORPORA["multi30k"].vocab_size
+    assert vocab_size("--preset", "medium") == RECIPES["medium"].training["vocab_size"] != CORPORA["multi30k"].vocab_size
+    assert vocab_size("--preset", "medium", "--vocab-size", "6000") == 6000
+
+
 def test_a_file_chooses_the_preset_and_with_it_the_recipe_and_run_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = _write(tmp_path / "exp.json", {"train": {"preset": "tiny"}})
