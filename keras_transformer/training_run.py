@@ -137,7 +137,9 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
 def _log_early_stop(result, settings):
     if result.stopped_early:
         logger.info("The time budget (--max-minutes %g) stopped the run at step %d of %d; run the same command "
-                    "again to continue training from there.", settings.max_minutes, result.step, settings.train_steps)
+                    "again to continue training from there, or add --train-steps %d to evaluate it as it stands "
+                    "(with other decoding flags, say).", settings.max_minutes, result.step, settings.train_steps,
+                    result.step)
     if result.out_of_patience:
         logger.info("--patience %d stopped the run at step %d of %d; a larger --patience (or 0) continues its "
                     "training.", settings.patience, result.step, settings.train_steps)

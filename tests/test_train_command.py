@@ -392,7 +392,7 @@ def test_a_start_interrupted_after_the_vocabulary_is_resumed(tmp_path, multi30k_
 
 @pytest.mark.slow
 def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir):
-    """A run stopped by --max-minutes ends with its step and how to continue it."""
+    """A run stopped by --max-minutes ends with its step and how to continue it, or only evaluate it."""
     from keras_transformer.corpora import load_multi30k
 
     corpus = load_multi30k(multi30k_dir)
@@ -401,19 +401,26 @@ def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir):
     for split, pairs in (("train", corpus.train[:3000]), ("val", corpus.validation[:4]), ("test", corpus.test[:4])):
         for side, lang in enumerate(("en", "de")):
             (data_dir / f"{split}.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs))
-    result = run_command([
+    command = [
         sys.executable, "train.py", "--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--dataset", "files",
         "--data-dir", str(data_dir), "--source-lang", "en", "--target-lang", "de", "--vocab-size", "1000",
         "--max-length", "64", "--max-minutes", "0.0001", "--bleu-sentences", "0", "--beam-size", "1",
-    ])
+    ]
+    result = run_command(command)
     assert result.returncode == 0, result.stderr[-3000:]
     # Its one step traced the step function, so it was not timed: no speed rather than 0 tokens/s.
     assert re.search(r"^Trained steps 1-1 in \S+\.$", result.stderr, re.MULTILINE), result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert re.fullmatch(
         r"The time budget \(--max-minutes 0.0001\) stopped the run at step 1 of 200; run the same command again "
-        r"to continue training from there\.", last
+        r"to continue training from there, or add --train-steps 1 to evaluate it as it stands \(with other "
+        r"decoding flags, say\)\.", last
     ), last
+
+    evaluated = run_command([*command, "--train-steps", "1", "--beam-size", "2"])  # As the last line says.
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "Already trained 1 of 1 steps; nothing to do." in evaluated.stderr, evaluated.stderr[-3000:]
+    assert "Translating 4 test sentences with checkpoints/ckpt-1 (beam 2, alpha 0.6)" in evaluated.stderr
 
 
 @pytest.mark.parametrize(
