@@ -73,8 +73,8 @@ def build_parser():
     what.add_argument("--source-lang", default=None, help=f"Source language code. [the corpus's usual: {usual(0)}]")
     what.add_argument("--target-lang", default=None, help=f"Target language code. [the corpus's usual: {usual(1)}]")
     what.add_argument("--vocab-size", **checked("vocab_size"), default=None,
-                      help="Size of the shared BPE vocabulary learned on the training data. "
-                           f"[the corpus's: {', '.join(f'{name} {entry.vocab_size}' for name, entry in CORPORA.items())}"
+                      help="Size of the shared BPE vocabulary learned on the training data. [the corpus's: "
+                           + ", ".join(f"{name} {entry.vocab_size}" for name, entry in CORPORA.items())
                            + "".join(f"; the {name} preset's: {recipe.training['vocab_size']}"
                                      for name, recipe in RECIPES.items() if "vocab_size" in recipe.training) + "]")
     what.add_argument("--max-length", **checked("max_length"), default=None,
