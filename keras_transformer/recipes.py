@@ -78,7 +78,7 @@ RECIPES = {
         # so a CPU hour buys many passes. Their rate (5e-3 at 8k-token batches) times
         # 1/sqrt(2) for half the batch: 3.5e-3 at step 2000. 57 minutes of training leave
         # the set-up and the final evaluation inside the hour. alpha 1.0: its outputs are
-        # short at 0.6. A 4,000-id vocabulary: its smaller output layer buys a quarter more
+        # short at 0.6. A 4,000-id vocabulary: its smaller output layer buys a third more
         # steps in the hour, which beat the 8,000 ids' better steps. All chosen on validation:
         # docs/results.md.
         Recipe(
