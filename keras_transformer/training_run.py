@@ -136,10 +136,12 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
 
 def _log_early_stop(result, settings):
     if result.stopped_early:
+        # --train-steps and --epochs exclude each other: a length in epochs must give way.
+        instead = " in place of --epochs" if settings.epochs is not None else ""
         logger.info("The time budget (--max-minutes %g) stopped the run at step %d of %d; run the same command "
-                    "again to continue training from there, or add --train-steps %d to evaluate it as it stands "
+                    "again to continue training from there, or add --train-steps %d%s to evaluate it as it stands "
                     "(with other decoding flags, say).", settings.max_minutes, result.step, settings.train_steps,
-                    result.step)
+                    result.step, instead)
     if result.out_of_patience:
         logger.info("--patience %d stopped the run at step %d of %d; a larger --patience (or 0) continues its "
                     "training.", settings.patience, result.step, settings.train_steps)

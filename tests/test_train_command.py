@@ -391,8 +391,13 @@ def test_a_start_interrupted_after_the_vocabulary_is_resumed(tmp_path, multi30k_
 
 
 @pytest.mark.slow
-def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir):
-    """A run stopped by --max-minutes ends with its step and how to continue it, or only evaluate it."""
+@pytest.mark.parametrize("length, instead", [([], ""), (["--epochs", "1"], " in place of --epochs")],
+                         ids=["steps", "epochs"])
+def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir, length, instead):
+    """A run stopped by --max-minutes ends with its step and how to continue it, or only evaluate it.
+
+    A length in epochs must give way to --train-steps: argparse refuses both.
+    """
     from keras_transformer.corpora import load_multi30k
 
     corpus = load_multi30k(multi30k_dir)
@@ -406,15 +411,15 @@ def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir):
         "--data-dir", str(data_dir), "--source-lang", "en", "--target-lang", "de", "--vocab-size", "1000",
         "--max-length", "64", "--max-minutes", "0.0001", "--bleu-sentences", "0", "--beam-size", "1",
     ]
-    result = run_command(command)
+    result = run_command([*command, *length])
     assert result.returncode == 0, result.stderr[-3000:]
     # Its one step traced the step function, so it was not timed: no speed rather than 0 tokens/s.
     assert re.search(r"^Trained steps 1-1 in \S+\.$", result.stderr, re.MULTILINE), result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert re.fullmatch(
-        r"The time budget \(--max-minutes 0.0001\) stopped the run at step 1 of 200; run the same command again "
-        r"to continue training from there, or add --train-steps 1 to evaluate it as it stands \(with other "
-        r"decoding flags, say\)\.", last
+        r"The time budget \(--max-minutes 0.0001\) stopped the run at step 1 of \d+; run the same command again "
+        rf"to continue training from there, or add --train-steps 1{instead} to evaluate it as it stands "
+        r"\(with other decoding flags, say\)\.", last
     ), last
 
     evaluated = run_command([*command, "--train-steps", "1", "--beam-size", "2"])  # As the last line says.
