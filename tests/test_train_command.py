@@ -223,8 +223,8 @@ def test_a_seed_out_of_numpys_range_is_a_usage_error(tmp_path, capsys, value):
 
 def test_help_gives_the_presets_defaults_and_the_papers_values():
     help_text = " ".join(train_cli.build_parser().format_help().split())
-    assert "[the preset's: tiny 100, small 1600, medium 2000, base 4000, big 4000] The paper: 4000." in help_text
-    assert "[the preset's: tiny 1, small 2, medium 1.75, base 1, big 1] The paper: 1." in help_text
+    assert "[the preset's: tiny 100, small 1000, medium 2000, base 4000, big 4000] The paper: 4000." in help_text
+    assert "[the preset's: tiny 1, small 1.75, medium 1.75, base 1, big 1] The paper: 1." in help_text
 
 
 @pytest.mark.parametrize(

@@ -113,8 +113,8 @@ def test_a_recipes_vocabulary_size_is_over_the_corpus_and_under_the_flag(tmp_pat
     def vocab_size(*flags):
         return _resolve("--run-dir", str(tmp_path / "run"), *flags).vocab_size
 
-    assert "vocab_size" not in RECIPES["small"].training
-    assert vocab_size("--preset", "small") == CORPORA["multi30k"].vocab_size
+    assert "vocab_size" not in RECIPES["base"].training
+    assert vocab_size("--preset", "base") == CORPORA["multi30k"].vocab_size
     medium = RECIPES["medium"].training["vocab_size"]
     assert vocab_size("--preset", "medium") == medium != CORPORA["multi30k"].vocab_size
     assert vocab_size("--preset", "medium", "--vocab-size", "6000") == 6000
@@ -162,7 +162,7 @@ def test_a_pinned_setting_of_a_file_is_refused_by_the_run(tmp_path, capsys):
         ({"data": {"source_lang": False}}, "data.source_lang must be a string, got false (quote it: YAML reads"),
         ({"data": {"data_dir": "/data"}}, "unknown key data.data_dir: --data-dir is no setting of the run"),
         ({"model": {"dropout_rate": 1.5}}, "model.dropout_rate must be in [0, 1), got 1.5."),
-        ({"model": {"d_model": 512}}, "model.d_model is 512, but the small preset with vocab_size 8000 has 256"),
+        ({"model": {"d_model": 512}}, "model.d_model is 512, but the small preset with vocab_size 4000 has 128"),
         ({"optimizer": {}}, "unknown section 'optimizer'"),
         ({"train": [1, 2]}, "train must be a mapping of keys to values, got [1, 2]."),
     ],
@@ -231,9 +231,10 @@ def test_a_missing_file_or_a_directory_is_one_error(tmp_path, capsys):
 
 
 def test_the_default_recipe_stops_after_its_steps_not_on_time():
-    assert RECIPES["small"].training["max_minutes"] is None and RECIPES["small"].training["train_steps"] == 800
+    default = RECIPES["small"].training
+    assert default["max_minutes"] is None and default["train_steps"] > 0
     settings = _resolve("--run-dir", "unused")
-    assert (settings.preset, settings.train_steps, settings.max_minutes) == ("small", 800, None)
+    assert (settings.preset, settings.train_steps, settings.max_minutes) == ("small", default["train_steps"], None)
     assert _resolve("--run-dir", "unused", "--max-minutes", "5").max_minutes == 5.0
 
 
