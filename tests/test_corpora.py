@@ -278,7 +278,7 @@ def test_train_py_takes_its_corpora_and_their_defaults_from_the_registry():
     help_text = " ".join(parser.format_help().split())
     for entry in corpora.CORPORA.values():
         assert f"{entry.name} ({entry.summary})" in help_text
-        settings = layered({"dataset": entry.name})
+        settings = layered({"dataset": entry.name, "preset": "base"})  # A preset that sets no vocabulary size.
         assert (settings.vocab_size, settings.max_length) == (entry.vocab_size, entry.max_length)
 
 
