@@ -85,6 +85,13 @@ def spec_like(structure):
     return keras.tree.map_structure(lambda x: keras.KerasTensor(x.shape, dtype=x.dtype), structure)
 
 
+def _ungroup_scores(scores, query_length):
+    """Scores `[rows, heads, g * length, keys]` of grouped queries as `[rows * g, heads, length, keys]`."""
+    rows, heads, _, keys = (ops.shape(scores)[i] for i in range(4))
+    grouped = ops.reshape(scores, (rows, heads, -1, query_length, keys))
+    return ops.reshape(ops.transpose(grouped, (0, 2, 1, 3, 4)), (-1, heads, query_length, keys))
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class MultiHeadAttention(keras.layers.Layer):
     """Multi-head scaled dot-product attention with an incremental-decoding cache.
@@ -133,7 +140,11 @@ class MultiHeadAttention(keras.layers.Layer):
             up to the newest token (self-attention while decoding). Without
             `cache_index`, the cached keys and values are used as they are and
             `value`/`key` are ignored (encoder-decoder attention, whose memory is
-            fixed; see `project_key_value`).
+            fixed; see `project_key_value`). A fixed memory may have fewer rows
+            than `query`, `rows` where `query` has `rows * g`: query rows
+            `i * g .. i * g + g - 1` attend to memory row `i` (the beams of one
+            sentence share its encoder memory), and `attention_mask` then has the
+            memory's rows.
         cache_index: Scalar int position at which `value`'s first token is
             written into the cache.
         value_mask, key_mask: Keras masks `[batch, source_length]` (`True` for real
@@ -403,9 +414,13 @@ class MultiHeadAttention(keras.layers.Layer):
                     "decode with attention_mask over the cache instead."
                 )
             value_mask = key_mask = None  # a fixed memory ignores value and key, and so their masks
+        query_shape = ops.shape(query)
         if cache is not None and cache_index is None:  # a fixed, already projected memory
-            query_heads = self._project(query, self.query_kernel, self.query_bias)
             key_heads, value_heads = cache["key"], cache["value"]
+            # Queries sharing a memory row attend as one longer query sequence of that
+            # row: the same matmuls, without a copy of the memory per query row.
+            query = ops.reshape(query, (ops.shape(key_heads)[0], -1, query.shape[-1]))
+            query_heads = self._project(query, self.query_kernel, self.query_bias)
         else:
             if value is query and key is None:  # self-attention
                 kernels = [self.query_kernel, self.key_kernel, self.value_kernel]
@@ -423,7 +438,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 projected = self.project_key_value(value, key)
                 key_heads, value_heads = projected["key"], projected["value"]
             if cache is not None:
-                fits = check_cache_room(cache, cache_index, ops.shape(query)[1])
+                fits = check_cache_room(cache, cache_index, query_shape[1])
                 if fits is not None:
                     with tf.control_dependencies([fits]):
                         key_heads = tf.identity(key_heads)
@@ -435,7 +450,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 cache = {"key": key_heads, "value": value_heads}
 
         visible = None
-        query_length, key_length = ops.shape(query)[1], ops.shape(key_heads)[2]
+        query_length, key_length = query_shape[1], ops.shape(key_heads)[2]
         if use_causal_mask:
             query_offset = 0 if cache_index is None else cache_index
             visible = causal_mask(query_length, key_length, query_offset)
@@ -448,9 +463,12 @@ class MultiHeadAttention(keras.layers.Layer):
         mask = intersect(attention_mask, *key_padding, visible)
 
         output, scores = self._attend(query_heads, key_heads, value_heads, mask, training)
+        fixed_memory = cache is not None and cache_index is None
+        if fixed_memory:
+            output = ops.reshape(output, (query_shape[0], query_shape[1], output.shape[-1]))
         outputs = (output,)
         if return_attention_scores:
-            outputs += (scores,)
+            outputs += (_ungroup_scores(scores, query_shape[1]) if fixed_memory else scores,)
         if cache is not None:
             outputs += (cache,)
         return outputs[0] if len(outputs) == 1 else outputs

@@ -339,7 +339,11 @@ class DecoderLayer(_ResidualBlock):
         training: Whether dropout is active.
         cache: For incremental decoding, a dict `{"self": {"key", "value"},
             "cross": {"key", "value"}}` as made by `init_cache` (`"cross"` also
-            holds `"mask"` when the encoder outputs had a Keras mask).
+            holds `"mask"` when the encoder outputs had a Keras mask). `"cross"`
+            may have fewer rows than `inputs` (`rows` where `inputs` has
+            `rows * g`): the beams of a sentence share its memory, see
+            `MultiHeadAttention`'s `cache`; `encoder_padding_mask` then has the
+            memory's rows.
         cache_index: Position of `inputs`' first token in the output sequence.
         return_attention_scores: Also return `(self_scores, cross_scores)`.
 

@@ -2,10 +2,11 @@
 
 `beam_search(model, source_ids, decoding)` runs the search of `keras_transformer.search_core`
 over a `Transformer`: it runs the encoder once, projects the encoder memory once per
-decoder layer (`init_cache`), tiles both per beam, and feeds only the newest token each
-step (`decode_step`). How it searches is a `DecodingSettings` (beam size, length penalty,
-extra length, minimum length, early stop; see `keras_transformer.decoding_settings`),
-the one object that the translator, evaluation, the command lines and the export pass on.
+decoder layer (`init_cache`; the beams of a sentence share it, it is not tiled per
+beam), and feeds only the newest token each step (`decode_step`). How it searches is a
+`DecodingSettings` (beam size, length penalty, extra length, minimum length, early
+stop; see `keras_transformer.decoding_settings`), the one object that the translator,
+evaluation, the command lines and the export pass on.
 
 The lengths, one name each:
 
@@ -220,16 +221,13 @@ def _search_transformer(
     buffer_length = tf.maximum(buffer_length, 1)
     row_max_lengths = tf.maximum(row_max_lengths, 1)
 
-    beam_source_mask = expand_to_beams(source_mask, beam_size)
     if use_cache:
         # The self-attention buffers grow with the output (see doubling_cache_lengths).
         cache_lengths = doubling_cache_lengths(buffer_length)
         layer_caches = model.init_cache(encoder_outputs, cache_lengths[0])
-        # Per row, never reordered with the beams: the projected encoder memory and its mask.
-        row_state = {
-            "memory": [expand_to_beams_nest(layer["cross"], beam_size) for layer in layer_caches],
-            "source_mask": beam_source_mask,
-        }
+        # Per row, never reordered with the beams: the projected encoder memory and its
+        # mask, which the row's beams share (`decode_step`).
+        row_state = {"memory": [layer["cross"] for layer in layer_caches], "source_mask": source_mask}
         initial_cache = [layer["self"] for layer in layer_caches]
         if output_kernel is None:
             output_kernel = model.embedding.transposed_embeddings()
@@ -249,16 +247,14 @@ def _search_transformer(
             return [MultiHeadAttention.extend_cache(cache, length) for cache in self_caches]
 
     else:
-        row_state = {
-            "encoder_outputs": expand_to_beams(encoder_outputs, beam_size),
-            "source_mask": beam_source_mask,
-        }
+        row_state = {"encoder_outputs": encoder_outputs, "source_mask": source_mask}
         initial_cache = ()
         cache_lengths = extend_cache_fn = None
 
         def symbols_to_logits_fn(ids, step, no_cache, row_state):
+            per_beam = expand_to_beams_nest(row_state, beam_size)
             logits = model.decode(
-                ids[:, : step + 1], row_state["encoder_outputs"], row_state["source_mask"], training=False
+                ids[:, : step + 1], per_beam["encoder_outputs"], per_beam["source_mask"], training=False
             )
             return logits[:, -1], no_cache
 

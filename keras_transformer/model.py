@@ -333,9 +333,12 @@ class Transformer(keras.Model):
         Args:
             token_ids: `[batch, new_length]` ids at positions
                 `cache_index .. cache_index + new_length - 1` (usually one token).
-            cache: From `init_cache` or the previous step.
+            cache: From `init_cache` or the previous step. Its self-attention
+                buffers have `batch` rows; its encoder memory may have fewer, `rows`
+                where `batch = rows * g`: `token_ids` rows `i * g .. i * g + g - 1`
+                (a sentence's beams) read memory row `i`.
             cache_index: Scalar int position of `token_ids[:, 0]`.
-            source_padding_mask: From `encode`.
+            source_padding_mask: From `encode`, with the memory's rows.
             output_kernel: Optional `self.embedding.transposed_embeddings()`, computed
                 once per search instead of once per step.
 

@@ -132,7 +132,7 @@ class Rows(NamedTuple):
     Attributes:
         ids: int32 `[rows]`, each row's index in the batch, increasing.
         max_lengths: int32 `[rows]`, most tokens each row may generate.
-        state: `search`'s `row_state`, tensors `[rows * K, ...]` (or an empty nest).
+        state: `search`'s `row_state`, tensors `[rows, ...]` (or an empty nest).
     """
 
     ids: tf.Tensor
@@ -246,10 +246,10 @@ def search(
         min_length: EOS is not generated before this many other tokens (int or int32
             scalar; 0: EOS may come first). A row whose maximum length is reached
             first finishes there, without EOS.
-        row_state: Optional nest of tensors `[batch * beam_size, ...]` passed to
-            `symbols_to_logits_fn` as they are (per row, not reordered with the beams)
-            and gathered with the rows when done rows leave the batch: the encoder
-            memory and source mask of a translation.
+        row_state: Optional nest of tensors `[batch, ...]`, one row per input row
+            (not per beam: a row's beams share it), passed to `symbols_to_logits_fn`
+            as they are and gathered with the rows when done rows leave the batch:
+            the encoder memory and source mask of a translation.
         drop_done_rows: Whether the rows that are done leave the batch (see the module
             docstring). `None`: yes, unless the search is being compiled with XLA.
 
@@ -307,12 +307,10 @@ def search(
         )
         log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
         vocab_size = tf.shape(log_probs)[-1]
-        if never_emit_ids:
-            never_emit = tf.reduce_any(tf.equal(tf.range(vocab_size)[:, None], list(never_emit_ids)), axis=1)
-            log_probs = tf.where(never_emit, NEG_INF, log_probs)
-        if not (isinstance(min_length, int) and min_length <= 0):
-            too_early = tf.logical_and(tf.equal(tf.range(vocab_size), eos_id), state.step < min_length)
-            log_probs = tf.where(too_early, NEG_INF, log_probs)
+        too_early = False if isinstance(min_length, int) and min_length <= 0 else state.step < min_length
+        blocked = _blocked_ids(vocab_size, never_emit_ids, eos_id, too_early)
+        if blocked is not None:  # One pass over the log-probs for all the blocked ids.
+            log_probs = tf.where(blocked, NEG_INF, log_probs)
         rows_searched = tf.shape(state.alive_log_probs)[0]
         log_probs = tf.reshape(log_probs, [rows_searched, -1, vocab_size])  # [rows, beam, vocab]
         # The best candidates overall are among each beam's best: a top-k per beam
@@ -393,6 +391,20 @@ def doubling_cache_lengths(max_decode_length, first=16, doublings=2):
     does not depend on a traced `max_decode_length`.
     """
     return [tf.minimum(first * 2**i, max_decode_length) for i in range(doublings + 1)]
+
+
+def _blocked_ids(vocab_size, never_emit_ids, eos_id, too_early):
+    """bool `[vocab_size]`: the ids this step may not generate (`None`: none).
+
+    Those of `never_emit_ids`, and EOS while `too_early` (before the minimum length).
+    """
+    ids = tf.range(vocab_size)
+    blocked = []
+    if never_emit_ids:
+        blocked.append(tf.reduce_any(tf.equal(ids[:, None], list(never_emit_ids)), axis=1))
+    if too_early is not False:
+        blocked.append(tf.logical_and(tf.equal(ids, eos_id), too_early))
+    return tf.reduce_any(tf.stack(blocked), axis=0) if blocked else None
 
 
 def _num_candidates(beam_size):
@@ -521,9 +533,8 @@ def _without_done_rows(state: BeamState, rows: Rows, results: Finished, beam_siz
         results, tf.gather(rows.ids, done), Finished(*(tf.gather(t, done) for t in _finished(state)))
     )
     kept = tf.where(tf.logical_not(state.rows_done))[:, 0]
-    alive_cache, row_state = tf.nest.map_structure(
-        lambda t: _gather_rows(t, kept, beam_size), (state.alive_cache, rows.state)
-    )
+    alive_cache = tf.nest.map_structure(lambda t: _gather_rows(t, kept, beam_size), state.alive_cache)
+    row_state = tf.nest.map_structure(lambda t: tf.gather(t, kept), rows.state)
     per_row = [name for name in BeamState._fields if name not in ("step", "alive_cache")]
     state = state._replace(alive_cache=alive_cache, **{name: tf.gather(getattr(state, name), kept) for name in per_row})
     return state, Rows(tf.gather(rows.ids, kept), tf.gather(rows.max_lengths, kept), row_state), results

@@ -165,6 +165,29 @@ def test_fixed_memory_cache_equals_projecting_the_memory():
     np.testing.assert_allclose(out, ours(query, value), atol=1e-6)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_queries_sharing_a_memory_row_match_keras_with_the_memory_repeated_per_query(jit_compile):
+    """Beams share their sentence's memory: query rows `i * g ..` read memory row `i`."""
+    ours, theirs, _, value = copied_pair(seed=6)
+    group = 3
+    rng = np.random.default_rng(6)
+    query = rng.normal(size=(2 * group, 1, D_MODEL)).astype("float32")  # one step of 3 beams per row
+    padding = np.array([[True] * 7, [True] * 4 + [False] * 3])  # row 1's memory is padded
+    memory = ours.project_key_value(value)
+
+    @tf.function(jit_compile=jit_compile)
+    def shared(query, memory, padding):
+        return ours(query, None, attention_mask=padding[:, None, :], cache=memory, return_attention_scores=True)
+
+    out, scores, _ = shared(query, memory, padding)
+    repeated = np.repeat(value, group, axis=0)
+    expected, expected_scores = theirs(
+        query, repeated, attention_mask=np.repeat(padding, group, axis=0)[:, None, :], return_attention_scores=True
+    )
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-6)
+
+
 def test_cache_without_the_causal_mask_attends_to_every_written_key_and_no_empty_slot():
     ours, _, query, _ = copied_pair(seed=6)
     written = 3
