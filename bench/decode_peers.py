@@ -5,7 +5,7 @@ Usage:
     python -m export --run-dir runs/RUN --out /tmp/peer-xla --alpha 0 --jit-compile
     python -m export --format ctranslate2 --run-dir runs/RUN --out /tmp/peer-ct2
     python bench/decode_peers.py --saved-model /tmp/peer-graph --saved-model-xla /tmp/peer-xla \\
-        --ctranslate2 /tmp/peer-ct2                     # ~8-10 min on 2 idle cores
+        --ctranslate2 /tmp/peer-ct2 --rounds 3          # ~20 min on 2 idle cores (1 round: ~8)
     python bench/decode_peers.py ... --engines ours-graph ct2-float32-1t --latency-sentences 20   # a quick trial
 
 Engines, one row each (`--engines` picks some):
@@ -46,15 +46,24 @@ Measured per engine, on the Multi30k test sources (English, in file order):
 * memory: the resident set after loading, and the peak (`ru_maxrss`) while serving the
   batches of 32 (measured first, so that the peak is theirs: loading, warm-up, and for
   XLA the compilations of the batch shapes, included); the process's peak at its end too;
+* every engine first translates each timed input once, untimed (the batches, then the
+  single sentences): a steady-state server has met its shapes, and the first meeting
+  costs ours most (XLA compiles each shape; oneDNN's kernels are made per shape, which
+  had left the graph-mode export 10-30% behind at batches of 32 when only XLA was
+  warmed up);
 * throughput with batches of 32 sentences (the full batches of `--batch-sentences`), and
   how many of these translations are the same text as `ours-graph`'s (a check that
   every engine computed the same thing; a few differences show up between searches
   of the same model: see `keras_transformer.ctranslate2_export.translate_ids`);
 * latency of one sentence per request: p50 / p95 / mean over `--latency-sentences`
-  requests, after `--warmup` requests (for XLA, each timed input once first, as in
-  `serving.py`, so that no compilation is timed);
+  requests, after `--warmup` requests;
 * throughput with `--threads` (8) client threads each sending one sentence per request
   (`--thread-sentences` in all), with their latency percentiles.
+
+With `--rounds N` the engines are measured in turn N times (a process each time) and each
+timing is the median of its N rounds (the peak memory the highest; `"rounds"` in an
+engine's record keeps them all): these shared VMs drift by 10-30% within minutes, which
+would otherwise land on whichever engine ran then.
 
 Hygiene: the script waits for a quiet machine first (`--max-load`, as the other scripts),
 then, before each engine, until other processes keep at most 0.3 cores busy (read from
@@ -74,6 +83,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -109,6 +119,11 @@ NEIGHBOUR_LIMIT = 0.3
 THREAD_ENVIRONMENT = (
     "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CT2_USE_EXPERIMENTAL_PACKED_GEMM", "CT2_FORCE_CPU_ISA",
     "TF_ENABLE_ONEDNN_OPTS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
+)
+# The timings that are medians over `--rounds` (keys of an engine's record, dotted).
+MEDIAN_FIELDS = (
+    "batched.sentences_per_s", "single.p50_ms", "single.p95_ms", "single.mean_ms",
+    "concurrent.sentences_per_s", "concurrent.latency.p50_ms", "concurrent.latency.p95_ms",
 )
 # Sentences the export check translates with both signatures.
 CHECK_SENTENCES = 4
@@ -369,10 +384,8 @@ def run_engine(name: str, args, out: Path) -> None:
     model = getattr(args, engine["flag"])
     if engine["kind"] == "savedmodel":
         translate, info = open_savedmodel(model, args)
-        xla = info["xla"]
     else:
         translate, info = open_ctranslate2(model, engine["compute_type"], engine["intra_threads"], args)
-        xla = False
     record = {"engine": name, "kind": engine["kind"], **info, "rss_after_load_mb": rss_mb()}
     log(f"{name}: loaded in {info['load_s']:.2f} s, {record['rss_after_load_mb']:.0f} MiB resident")
 
@@ -386,9 +399,8 @@ def run_engine(name: str, args, out: Path) -> None:
     first = translate(batches[0])
     record["first_request_s"] = time.perf_counter() - start
     record["example"] = {"source": batches[0][0], "translation": first[0]}
-    if xla:  # XLA compiles once per (batch size, source length bucket): meet every timed shape first.
-        for batch in batches:
-            translate(batch)
+    for batch in batches:  # Every timed shape met first (see the module docstring).
+        translate(batch)
     record["batched"], translations = common.time_batches(translate, batches)
     record["peak_rss_batched_mb"] = peak_rss_mb()
     record["rss_after_batched_mb"] = rss_mb()
@@ -400,9 +412,8 @@ def run_engine(name: str, args, out: Path) -> None:
     # 2. One sentence per request, one client.
     for i in range(args.warmup):
         translate([sentences[i % len(sentences)]])
-    if xla:
-        for text in sentences[: max(args.latency_sentences, args.thread_sentences)]:
-            translate([text])
+    for text in sentences[: max(args.latency_sentences, args.thread_sentences)]:
+        translate([text])
     record["single"] = common.time_single(translate, singles)
     log(f"{name}: 1 sentence/request: p50 {record['single']['p50_ms']:.1f} ms, p95 {record['single']['p95_ms']:.1f} ms")
 
@@ -445,6 +456,62 @@ def run_child(child: str, argv: list[str], timeout: float | None = None) -> dict
             log(f"{child}: {error}")
             return {"error": error}
         return json.loads(out.read_text())
+
+
+def measure_engine(name: str, argv: list[str], args) -> dict:
+    """One engine's record from a process of its own, with the machine's load while it ran."""
+    quiet = wait_for_idle_cores(args, name)
+    before, busy, ours, start = common.loadavg(), cpu_busy_s(), children_cpu_s(), time.perf_counter()
+    record = {"engine": name, "kind": ENGINES[name]["kind"], **run_child(name, argv, args.engine_timeout)}
+    record["process_s"] = time.perf_counter() - start
+    record["load_average"] = {"before": before, "after": common.loadavg()}
+    # Cores kept busy by other processes while the engine ran: the machine's busy CPU time less the child's.
+    during = None if busy is None else (cpu_busy_s() - busy - (children_cpu_s() - ours)) / record["process_s"]
+    busy_now = bool(during and during > NEIGHBOUR_LIMIT)
+    record["neighbours"] = {**quiet, "neighbour_cores_during": during, "busy": busy_now}
+    if record["neighbours"]["busy"]:
+        log(f"{name}: other processes kept {during:.1f} cores busy meanwhile: its figures are pessimistic")
+    return record
+
+
+def median_record(runs: list[dict]) -> dict:
+    """An engine's record over its rounds: the first complete one, each timing the median of the rounds'.
+
+    The peak resident sets are the highest of the rounds'; `"rounds"` keeps each round's timings, and
+    the neighbours of every round are checked (`"busy"` if any round had them).
+    """
+    complete = [run for run in runs if "batched" in run]
+    if not complete:
+        return runs[0]
+    record = dict(complete[0])
+    if len(runs) == 1:
+        return record
+    record["rounds"] = [{path: _field(run, path) for path in MEDIAN_FIELDS} for run in complete]
+    for path in MEDIAN_FIELDS:
+        _set_field(record, path, statistics.median(_field(run, path) for run in complete))
+    for field in ("peak_rss_batched_mb", "peak_rss_mb"):
+        record[field] = max(run[field] for run in complete)
+    record["neighbours"] = {
+        **record["neighbours"],
+        "busy": any(run["neighbours"]["busy"] for run in runs),
+        "neighbour_cores_during": max((run["neighbours"]["neighbour_cores_during"] or 0.0) for run in runs),
+    }
+    return record
+
+
+def _field(record: dict, path: str):
+    for key in path.split("."):
+        record = record[key]
+    return record
+
+
+def _set_field(record: dict, path: str, value) -> None:
+    """Sets `path` in `record`, copying the nested dicts on the way (they may be shared with a round's)."""
+    *parents, last = path.split(".")
+    for key in parents:
+        record[key] = dict(record[key])
+        record = record[key]
+    record[last] = value
 
 
 def check_ctranslate2_model(args) -> None:
@@ -512,6 +579,10 @@ def parse_args(argv=None):
     parser.add_argument(
         "--engine-timeout", type=float, default=900.0, help="an engine's process is killed after this many s"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="measure the engines in turn this many times; each figure is the median of its rounds",
+    )
     parser.add_argument("--output-name", default="decode_peers")
     common.add_load_args(parser)
     common.add_results_dir_arg(parser)
@@ -524,8 +595,9 @@ def parse_args(argv=None):
             parser.error(f"engine {name} needs {flag_name(ENGINES[name]['flag'])} (or leave it out of --engines)")
     if args.batch_sentences < args.batch_size:
         parser.error("--batch-sentences must be at least --batch-size (full batches only).")
-    if min(args.latency_sentences, args.thread_sentences, args.threads, args.beam_size) < 1 or args.warmup < 0:
-        parser.error("--latency-sentences, --thread-sentences, --threads and --beam-size must be 1 or more.")
+    counts = (args.latency_sentences, args.thread_sentences, args.threads, args.beam_size, args.rounds)
+    if min(counts) < 1 or args.warmup < 0:
+        parser.error("--latency-sentences, --thread-sentences, --threads, --beam-size and --rounds must be 1 or more.")
     return args
 
 
@@ -553,22 +625,13 @@ def main(argv=None):
         exports = checked["exports"]
     load = common.quiet(args)
 
-    records = {}
-    for i, name in enumerate(args.engines):
-        log(f"engine {i + 1}/{len(args.engines)}: {name}")
-        quiet = wait_for_idle_cores(args, name)
-        before, busy, ours, start = common.loadavg(), cpu_busy_s(), children_cpu_s(), time.perf_counter()
-        record = {"engine": name, "kind": ENGINES[name]["kind"], **run_child(name, argv, args.engine_timeout)}
-        record["process_s"] = time.perf_counter() - start
-        record["load_average"] = {"before": before, "after": common.loadavg()}
-        # Cores kept busy by other processes while the engine ran: the machine's busy CPU time less the child's.
-        during = None if busy is None else (cpu_busy_s() - busy - (children_cpu_s() - ours)) / record["process_s"]
-        record["neighbours"] = {
-            **quiet, "neighbour_cores_during": during, "busy": bool(during and during > NEIGHBOUR_LIMIT)
-        }
-        if record["neighbours"]["busy"]:
-            log(f"{name}: other processes kept {during:.1f} cores busy meanwhile: its figures are pessimistic")
-        records[name] = record
+    # Engines in turn, round after round: a drift of the machine's speed reaches every engine alike.
+    rounds = {name: [] for name in args.engines}
+    for round_index in range(args.rounds):
+        for i, name in enumerate(args.engines):
+            log(f"round {round_index + 1}/{args.rounds}, engine {i + 1}/{len(args.engines)}: {name}")
+            rounds[name].append(measure_engine(name, argv, args))
+    records = {name: median_record(runs) for name, runs in rounds.items()}
     agreement(records, sentences)
 
     # Machine facts last: they import TensorFlow, which no measured process may share.
@@ -594,12 +657,14 @@ def main(argv=None):
         "tensorflow_threads": "TensorFlow's defaults (every core)",
         "environment": {name: os.environ[name] for name in THREAD_ENVIRONMENT if name in os.environ},
         "batch_size": args.batch_size,
+        "rounds": args.rounds,
     }
     payload["sentences"] = {
         "source": f"Multi30k test_2016_flickr.{args.source_lang}, in file order",
         "batched": args.batch_sentences // args.batch_size * args.batch_size,
         "single": min(args.latency_sentences, len(sentences)),
         "warmup": args.warmup,
+        "every_timed_input_first": True,
         "concurrent": min(args.thread_sentences, len(sentences)),
         "threads": args.threads,
     }

@@ -434,16 +434,24 @@ def decode_peers_section(payload):
     reference = payload.get("reference", "ours-graph")
     lines = ["## Decoding peers: our SavedModel and CTranslate2, same weights and search", ""]
     lines.append(f"`{payload['command']}` — {payload['date_utc']}; {load_note(payload)}.")
+    warmed = (
+        " (every engine translated each timed input once first: XLA compiles each shape, oneDNN makes its "
+        "kernels per shape)"
+        if sentences.get("every_timed_input_first")
+        else " (XLA: every timed shape compiled first)"
+    )
+    rounds = settings.get("rounds", 1)
+    in_rounds = f", {rounds} rounds of them (each figure the median of its rounds)" if rounds > 1 else ""
     lines.append(
         f"Multi30k test sources in file order; beam {settings['beam_size']}, no length normalisation (our "
         f"exports: alpha 0; CTranslate2: `length_penalty=0`), at most source length + "
         f"{settings['max_extra_length']} tokens (CTranslate2: per batch, its longest source's limit), at least "
-        f"{settings['min_length']} token. Each engine in a process of its own, one after the other; our "
+        f"{settings['min_length']} token. Each engine in a process of its own, one after the other{in_rounds}; our "
         "SavedModels through `serving_default` (TensorFlow's threads: every core), CTranslate2 on the CPU "
         "with `intra_threads` 1 or 2 (`inter_threads` 1). Batches of "
         f"{settings['batch_size']}: {sentences['batched']} sentences; one sentence per request: "
-        f"{sentences['single']} requests after {sentences['warmup']} warm-up ones (XLA: every timed shape "
-        f"compiled first); {sentences['threads']} client threads: {sentences['concurrent']} sentences, one per "
+        f"{sentences['single']} requests after {sentences['warmup']} warm-up ones{warmed}; "
+        f"{sentences['threads']} client threads: {sentences['concurrent']} sentences, one per "
         "request. Timings include tokenizing and detokenizing."
     )
     base_name = engine_label(base) if base else "CTranslate2 float32, 1 thread"

@@ -55,3 +55,37 @@ def test_the_peak_matmul_is_the_best_rate_over_sizes_and_kernels(monkeypatch):
     xla_2 = next(s for s in peak["shapes"] if s["n"] == 2 and s["xla"])
     assert xla_2["best_flops"] == pytest.approx(2 * 2**3 / 0.05)
     assert xla_2["median_flops"] == pytest.approx((2 * 2**3 / 0.05 + 2 * 2**3 / 0.3) / 2)
+
+
+def test_an_engine_over_rounds_gets_the_median_of_each_timing_and_its_highest_peak_memory():
+    import decode_peers
+
+    def run(batched, p50, peak, busy=False):
+        return {
+            "engine": "ours-graph",
+            "batched": {"sentences_per_s": batched, "sentences": 992},
+            "single": {"p50_ms": p50, "p95_ms": 2 * p50, "mean_ms": p50 + 1},
+            "concurrent": {"sentences_per_s": batched / 2, "latency": {"p50_ms": 3 * p50, "p95_ms": 4 * p50}},
+            "peak_rss_batched_mb": peak,
+            "peak_rss_mb": peak + 10,
+            "neighbours": {"busy": busy, "neighbour_cores_during": 0.5 if busy else 0.0},
+            "translations": ["first round's"] if peak == 100 else ["other"],
+        }
+
+    runs = [run(90.0, 12.0, 100), run(60.0, 30.0, 120, busy=True), run(110.0, 10.0, 110)]
+    record = decode_peers.median_record(runs)
+    assert record["batched"] == {"sentences_per_s": 90.0, "sentences": 992}
+    assert record["single"] == {"p50_ms": 12.0, "p95_ms": 24.0, "mean_ms": 13.0}
+    assert record["concurrent"] == {"sentences_per_s": 45.0, "latency": {"p50_ms": 36.0, "p95_ms": 48.0}}
+    assert (record["peak_rss_batched_mb"], record["peak_rss_mb"]) == (120, 130)
+    assert record["neighbours"]["busy"] and record["neighbours"]["neighbour_cores_during"] == 0.5
+    assert record["translations"] == ["first round's"]
+    assert [r["batched.sentences_per_s"] for r in record["rounds"]] == [90.0, 60.0, 110.0]
+    assert runs[0]["batched"]["sentences_per_s"] == 90.0 and runs[2]["single"]["p50_ms"] == 10.0  # rounds untouched
+    failed = {
+        "engine": "ours-graph",
+        "error": "the process failed (exit code 1)",
+        "neighbours": {"busy": False, "neighbour_cores_during": None},
+    }
+    assert decode_peers.median_record([failed, runs[2]])["batched"]["sentences_per_s"] == 110.0
+    assert decode_peers.median_record([failed]) == failed
