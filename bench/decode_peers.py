@@ -47,10 +47,9 @@ Measured per engine, on the Multi30k test sources (English, in file order):
   batches of 32 (measured first, so that the peak is theirs: loading, warm-up, and for
   XLA the compilations of the batch shapes, included); the process's peak at its end too;
 * every engine first translates each timed input once, untimed (the batches, then the
-  single sentences): a steady-state server has met its shapes, and the first meeting
-  costs ours most (XLA compiles each shape; oneDNN's kernels are made per shape, which
-  had left the graph-mode export 10-30% behind at batches of 32 when only XLA was
-  warmed up);
+  single sentences), so that none is timed meeting a shape for the first time, as a
+  steady-state server has met its shapes (XLA compiles each; oneDNN makes its kernels
+  per shape);
 * throughput with batches of 32 sentences (the full batches of `--batch-sentences`), and
   how many of these translations are the same text as `ours-graph`'s (a check that
   every engine computed the same thing; a few differences show up between searches
