@@ -415,7 +415,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 )
             value_mask = key_mask = None  # a fixed memory ignores value and key, and so their masks
         query_shape = ops.shape(query)
-        if cache is not None and cache_index is None:  # a fixed, already projected memory
+        fixed_memory = cache is not None and cache_index is None  # already projected: keys and values as given
+        if fixed_memory:
             key_heads, value_heads = cache["key"], cache["value"]
             # Queries sharing a memory row attend as one longer query sequence of that
             # row: the same matmuls, without a copy of the memory per query row.
@@ -463,7 +464,6 @@ class MultiHeadAttention(keras.layers.Layer):
         mask = intersect(attention_mask, *key_padding, visible)
 
         output, scores = self._attend(query_heads, key_heads, value_heads, mask, training)
-        fixed_memory = cache is not None and cache_index is None
         if fixed_memory:
             output = ops.reshape(output, (query_shape[0], query_shape[1], output.shape[-1]))
         outputs = (output,)
