@@ -267,6 +267,17 @@ def any_worker(strategy, flag):
     return float(_sum_over_replicas(strategy, tf.constant(float(flag)))) > 0.0
 
 
+def mean_over_workers(strategy, value):
+    """The mean of a Python float over the workers: a collective, so every worker must call it.
+
+    With a single worker this is `value` itself, without any collective.
+    """
+    if num_workers(strategy) == 1:
+        return float(value)
+    # Every replica of a worker holds the worker's value; workers have as many replicas each.
+    return float(_sum_over_replicas(strategy, tf.constant(float(value)))) / strategy.num_replicas_in_sync
+
+
 def chief_choice(strategy, index, choices):
     """The chief's `index` (one of `range(choices)`) on every worker: a collective, so every worker must call it.
 

@@ -43,6 +43,9 @@ def describe_plan(config, start_step):
         plan += f", or {config.max_minutes:g} minutes"
     if config.patience:
         plan += f", or until {config.patience} validations in a row do not improve the validation BLEU"
+    if config.cooldown:
+        budget = "steps or minutes, whichever run out first" if config.max_minutes else "steps"
+        plan += f"; the learning rate falls to zero over the last {config.cooldown:.0%} of the {budget}"
     return plan
 
 

@@ -32,7 +32,8 @@ class Recipe:
             `keras_transformer.run_settings.RunSettings`): train_steps, max_minutes
             (None: no time budget), token_budget (per replica), warmup_steps,
             learning_rate_scale, log_every, checkpoint_every, keep_checkpoints, eval_every,
-            average_last, bleu_sentences; and optionally vocab_size, over the corpus's.
+            average_last, bleu_sentences; and optionally cooldown (else 0) and vocab_size
+            (else the corpus's).
         decoding: How the run's translations are searched (validation, test, translate, export).
     """
 
@@ -90,7 +91,7 @@ RECIPES = {
             model=dict(num_layers=4, d_model=128, num_heads=4, d_ff=256, dropout_rate=0.3),
             training=dict(
                 train_steps=20000, max_minutes=57.0, token_budget=4096, warmup_steps=2000, learning_rate_scale=1.75,
-                log_every=100, checkpoint_every=100, keep_checkpoints=10, eval_every=500, average_last=10,
+                cooldown=0.2, log_every=100, checkpoint_every=100, keep_checkpoints=10, eval_every=500, average_last=10,
                 bleu_sentences=300, vocab_size=4000,
             ),
             decoding=DecodingSettings(alpha=1.0),

@@ -124,6 +124,7 @@ class RunSettings:
     dropout: float = _setting(probability, section="model", key="dropout_rate", pinned=True)
     warmup_steps: int = _setting(positive_int, pinned=True)
     learning_rate_scale: float = _setting(positive_float, pinned=True)
+    cooldown: float = _setting(probability, pinned=True)
     label_smoothing: float = _setting(probability, pinned=True)
     mixed_precision: str = _setting(precision.CHOICES, pinned=True)
     jit_compile: bool = _setting(bool)
@@ -210,7 +211,7 @@ def defaults(preset, dataset):
     general = dict(
         preset=preset, dataset=dataset, source_lang=None, target_lang=None,
         vocab_size=corpus.vocab_size, max_length=corpus.max_length, long_sentences="filter",
-        seed=0, dropout=recipe.model["dropout_rate"], label_smoothing=0.1, mixed_precision=precision.AUTO,
+        seed=0, dropout=recipe.model["dropout_rate"], cooldown=0.0, label_smoothing=0.1, mixed_precision=precision.AUTO,
         jit_compile=False, epochs=None, patience=0, replicas=None, precision_reason=None,
         beam_size=recipe.decoding.beam_size, alpha=recipe.decoding.alpha,
     )

@@ -7,6 +7,12 @@ the inverse square root of the step; `d_model^-0.5` scales it to the model's wid
 so one schedule serves every model size. The peak, at `step == warmup_steps`, is
 `d_model^-0.5 * warmup_steps^-0.5` (7e-4 for the base model with warmup 4000).
 
+A cooldown (`cooldown > 0`, off in the paper) then takes the rate linearly to zero over
+the last `cooldown` fraction of the run's budget, steps or minutes, whichever runs out
+first: a run that stops on a time budget ends annealed instead of at the decay's
+still-high rate. How much of the budget is used is a variable (`budget_used`) the
+trainer sets before each step, since a time budget's end is known only on the clock.
+
 Steps count from 1: Keras optimizers call the schedule with `optimizer.iterations`,
 the number of updates already applied (0 before the first), so the schedule adds one.
 Without that, the first update would get a learning rate of exactly 0. A float16 step
@@ -25,13 +31,21 @@ DEFAULT_WARMUP_STEPS = 4000
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """`scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)`.
+    """`scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)`, then a cooldown.
+
+    Times `clip((1 - budget_used) / cooldown, 0, 1)` with a cooldown.
 
     Args:
         d_model: Model width; the rate scales with `d_model^-0.5`.
         warmup_steps: Updates of linear warm-up (paper: 4000).
         scale: Multiplier of the whole schedule (paper: 1.0). Small models on small
             corpora often train better with a larger peak rate.
+        cooldown: Fraction of the run's budget at its end over which the rate falls
+            linearly to zero, in `[0, 1)`; 0 (the paper): none.
+
+    Attributes:
+        budget_used: float32 variable, the fraction of the run's budget used so far,
+            set by the trainer before each update (with a cooldown only; else None).
 
     Call arguments:
         iterations: The number of updates already applied (`optimizer.iterations`);
@@ -41,24 +55,35 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
         The learning rate as a float32 scalar tensor.
     """
 
-    def __init__(self, d_model, warmup_steps=DEFAULT_WARMUP_STEPS, scale=1.0):
+    def __init__(self, d_model, warmup_steps=DEFAULT_WARMUP_STEPS, scale=1.0, cooldown=0.0):
         if d_model <= 0 or warmup_steps <= 0 or scale <= 0:
             raise ValueError(
                 "d_model, warmup_steps and scale must be positive, got "
                 f"{d_model!r}, {warmup_steps!r} and {scale!r}."
             )
+        if not 0.0 <= cooldown < 1.0:
+            raise ValueError(f"cooldown must be in [0, 1), got {cooldown!r}.")
         self.d_model = d_model
         self.warmup_steps = warmup_steps
         self.scale = scale
+        self.cooldown = cooldown
+        # Not a checkpointed variable: the trainer recomputes it from the budget on resume.
+        self.budget_used = None
+        if cooldown:
+            self.budget_used = keras.Variable(0.0, dtype="float32", trainable=False, name="budget_used")
 
     def __call__(self, iterations):
         step = ops.cast(iterations, "float32") + 1.0
         warmup = float(self.warmup_steps)
-        rate = ops.minimum(ops.rsqrt(step), step * warmup**-1.5)
-        return (self.scale * self.d_model**-0.5) * rate
+        rate = (self.scale * self.d_model**-0.5) * ops.minimum(ops.rsqrt(step), step * warmup**-1.5)
+        if not self.cooldown:
+            return rate
+        return rate * ops.clip((1.0 - self.budget_used) / self.cooldown, 0.0, 1.0)
 
     def get_config(self):
-        return {"d_model": self.d_model, "warmup_steps": self.warmup_steps, "scale": self.scale}
+        return {
+            "d_model": self.d_model, "warmup_steps": self.warmup_steps, "scale": self.scale, "cooldown": self.cooldown
+        }
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")

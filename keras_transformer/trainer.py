@@ -94,6 +94,9 @@ class TrainingConfig:
             no budget.
         warmup_steps: Warm-up of the learning-rate schedule.
         learning_rate_scale: Multiplier of the paper's learning rate.
+        cooldown: Fraction of the run's budget, at its end, over which the learning
+            rate falls linearly to zero: of `train_steps`, or of `max_minutes` when
+            that runs out first (see `TransformerSchedule`); 0: no cooldown.
         label_smoothing: `eps` of the label-smoothed loss.
         log_every: Steps between progress lines and training summaries.
         checkpoint_every: Steps between checkpoints (one is also written at the end).
@@ -110,6 +113,7 @@ class TrainingConfig:
     max_minutes: float | None = None
     warmup_steps: int = DEFAULT_WARMUP_STEPS
     learning_rate_scale: float = 1.0
+    cooldown: float = 0.0
     label_smoothing: float = 0.1
     log_every: int = 100
     checkpoint_every: int = 1000
@@ -132,6 +136,8 @@ class TrainingConfig:
             raise ValueError(f"patience must be 0 (off) or positive, got {self.patience!r}.")
         if self.patience and not self.eval_every:
             raise ValueError(f"patience ({self.patience}) counts validations: it needs eval_every > 0.")
+        if not 0.0 <= self.cooldown < 1.0:
+            raise ValueError(f"cooldown must be in [0, 1), got {self.cooldown!r}.")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}.")
         if self.mixed_precision not in DTYPE_POLICIES:
@@ -210,7 +216,7 @@ class Trainer:
                 self.model.build()
             check_checkpointable(self.model)
             self.schedule = TransformerSchedule(
-                self.model.d_model, config.warmup_steps, config.learning_rate_scale
+                self.model.d_model, config.warmup_steps, config.learning_rate_scale, config.cooldown
             )
             self.optimizer = make_optimizer(self.schedule, loss_scaling=config.mixed_precision == "fp16")
             self.optimizer.build(self.model.trainable_variables)
@@ -330,8 +336,10 @@ class Trainer:
             validation_time_left=self._validation_time_left, validates=self.validate_fn is not None and self.is_chief,
         )
         stopped_early = out_of_patience = False
+        time_used = self._time_used(started)
         try:
             while step < config.train_steps:
+                self._set_budget_used(step, time_used)
                 with_grad_norm = (step + 1) % config.log_every == 0 or step + 1 == config.train_steps
                 tracing = with_grad_norm not in self._train_steps
                 step_started = time.monotonic()
@@ -358,7 +366,8 @@ class Trainer:
                     progress.log_rest(step)
                     logger.info("Stopping at step %d of %d: %s.", step, config.train_steps, self._best.no_improvement())
                     break
-                if self._out_of_time(started):
+                time_used = self._time_used(started)
+                if time_used >= 1.0:
                     stopped_early = step < config.train_steps
                     progress.log_rest(step)
                     logger.info("Time budget of %g minutes reached at step %d.", config.max_minutes, step)
@@ -533,11 +542,21 @@ class Trainer:
         """
         return distribution.any_worker(self.strategy, flag)
 
-    def _out_of_time(self, started):
-        """Whether the time budget is spent, agreed by all workers."""
+    def _time_used(self, started):
+        """The fraction of the time budget spent (1: all of it; 0 without one), agreed by all workers.
+
+        The workers' mean: every one stops after the same step, and with a cooldown every
+        one applies the same learning rate.
+        """
         if not self.config.max_minutes:
-            return False
-        return distribution.any_worker(self.strategy, time.monotonic() - started > self.config.max_minutes * 60)
+            return 0.0
+        seconds = time.monotonic() - started
+        return distribution.mean_over_workers(self.strategy, seconds / (self.config.max_minutes * 60))
+
+    def _set_budget_used(self, step, time_used):
+        """Tells the schedule's cooldown how much of the run's budget `step` steps and `time_used` used."""
+        if self.schedule.budget_used is not None:
+            self.schedule.budget_used.assign(max(step / self.config.train_steps, time_used))
 
     def _worker_lost(self, error, completed_steps):
         """The `WorkerLostError` for `error`, after `completed_steps`, naming the checkpoint the run resumes from."""

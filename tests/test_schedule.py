@@ -36,19 +36,33 @@ def test_scale_multiplies_the_rate():
     )
 
 
+@pytest.mark.parametrize("budget_used", [0.0, 0.5, 0.8, 0.85, 0.99, 1.0, 1.3])
+def test_a_cooldown_falls_linearly_to_zero_over_the_end_of_the_budget(budget_used):
+    schedule = TransformerSchedule(256, 800, cooldown=0.2)
+    schedule.budget_used.assign(budget_used)
+    factor = min(max((1.0 - budget_used) / 0.2, 0.0), 1.0)
+    np.testing.assert_allclose(float(schedule(4999)), factor * paper_rate(5000, 256, 800), rtol=1e-5, atol=1e-12)
+
+
 def test_config_round_trip():
-    schedule = TransformerSchedule(256, warmup_steps=800, scale=1.5)
+    schedule = TransformerSchedule(256, warmup_steps=800, scale=1.5, cooldown=0.25)
     copy = TransformerSchedule.from_config(schedule.get_config())
-    assert copy.get_config() == {"d_model": 256, "warmup_steps": 800, "scale": 1.5}
+    assert copy.get_config() == {"d_model": 256, "warmup_steps": 800, "scale": 1.5, "cooldown": 0.25}
     restored = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(schedule))
     assert isinstance(restored, TransformerSchedule)
-    for iterations in (0, 799, 5000):
-        assert float(restored(iterations)) == float(schedule(iterations))
+    for budget_used in (0.0, 0.9):
+        schedule.budget_used.assign(budget_used)
+        restored.budget_used.assign(budget_used)
+        for iterations in (0, 799, 5000):
+            assert float(restored(iterations)) == float(schedule(iterations))
 
 
-def test_rejects_non_positive_arguments():
+def test_rejects_non_positive_arguments_and_a_cooldown_outside_0_1():
     with pytest.raises(ValueError, match="positive"):
         TransformerSchedule(512, warmup_steps=0)
+    for cooldown in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"cooldown must be in \[0, 1\)"):
+            TransformerSchedule(512, cooldown=cooldown)
 
 
 def test_optimizer_is_the_papers_adam_and_survives_serialization():

@@ -250,6 +250,45 @@ def test_steps_logged_again_after_a_crash_keep_their_newest_point(tmp_path):
     assert [(step, value) for step, _, value in points] == [(10, 1.0), (12, 2.0), (14, 2.0), (16, 2.0), (18, 2.0)]
 
 
+# --- Cooldown ------------------------------------------------------------------------
+
+
+def _cooldown_trainer(run, cooldown, train_steps=4, max_minutes=None):
+    return Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+        run,
+        TrainingConfig(
+            train_steps=train_steps, warmup_steps=20, log_every=1, cooldown=cooldown, max_minutes=max_minutes
+        ),
+    )
+
+
+def test_a_cooldown_takes_the_rate_linearly_to_zero_over_the_last_steps(tmp_path):
+    """Update k of 4 with a cooldown of half the steps: the paper's rate times min(1, (1 - (k - 1) / 4) / 0.5)."""
+    _cooldown_trainer(tmp_path / "run", cooldown=0.5).fit(synthetic_pairs_dataset)
+    logged = run_dir.read_scalars(tmp_path / "run" / run_dir.LOG_DIR / "train")["learning_rate"]
+    d_model = Transformer.from_preset("tiny", vocab_size=50).d_model
+    expected = [d_model**-0.5 * k * 20**-1.5 * min(1.0, (1 - (k - 1) / 4) / 0.5) for k in range(1, 5)]
+    assert [step for step, _, _ in logged] == [1, 2, 3, 4]
+    np.testing.assert_allclose([rate for _, _, rate in logged], expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cooldown", [0.5, 0.0], ids=["cooldown", "none"])
+def test_the_updates_at_the_end_of_a_time_budget_barely_move_the_weights(tmp_path, monkeypatch, cooldown):
+    """The clock at the end of the budget all along: the cooldown's rate (x 2e-7) leaves the weights as they were."""
+    trainer = _cooldown_trainer(tmp_path / "run", cooldown, train_steps=3, max_minutes=60)
+    monkeypatch.setattr(trainer, "_time_used", lambda started: 1.0 - 1e-7)
+    initial = [variable.numpy() for variable in trainer.model.trainable_variables]
+    assert trainer.fit(synthetic_pairs_dataset).step == 3
+    variables = trainer.model.trainable_variables
+    moved = max(np.abs(variable.numpy() - value).max() for variable, value in zip(variables, initial, strict=True))
+    if cooldown:
+        assert moved < 1e-8
+    else:  # Adam moves a weight by about the rate (~1e-3) an update.
+        assert moved > 1e-4
+
+
 # --- Progress lines ----------------------------------------------------------------------
 
 
@@ -288,14 +327,14 @@ def _interval_trainer(run):
 def test_an_interruption_logs_the_steps_since_the_last_progress_line(tmp_path, caplog, monkeypatch):
     """Interrupted after step 3 of an interval of 10, the run logs steps 1-3 before it saves and stops."""
     trainer = _interval_trainer(tmp_path / "run")
-    checks = iter(range(1, 11))
+    checks = iter(range(11))  # 0: the check before the first step
 
-    def out_of_time(started):
+    def time_used(started):
         if next(checks) == 3:
             raise KeyboardInterrupt
-        return False
+        return 0.0
 
-    monkeypatch.setattr(trainer, "_out_of_time", out_of_time)
+    monkeypatch.setattr(trainer, "_time_used", time_used)
     with caplog.at_level("INFO", logger="keras_transformer.trainer"), pytest.raises(KeyboardInterrupt):
         trainer.fit(synthetic_pairs_dataset)
     messages, progress = _logged(caplog)
@@ -306,8 +345,8 @@ def test_an_interruption_logs_the_steps_since_the_last_progress_line(tmp_path, c
 
 def test_a_time_budget_stop_logs_the_steps_since_the_last_progress_line(tmp_path, caplog, monkeypatch):
     trainer = _interval_trainer(tmp_path / "run")
-    checks = iter(range(1, 11))
-    monkeypatch.setattr(trainer, "_out_of_time", lambda started: next(checks) == 3)
+    checks = iter(range(11))  # 0: the check before the first step
+    monkeypatch.setattr(trainer, "_time_used", lambda started: float(next(checks) == 3))
     with caplog.at_level("INFO", logger="keras_transformer.trainer"):
         result = trainer.fit(synthetic_pairs_dataset)
     _, progress = _logged(caplog)

@@ -107,6 +107,10 @@ def build_parser():
     how.add_argument("--learning-rate-scale", **checked("learning_rate_scale"), default=None,
                      help="Multiplier of the paper's rate d_model^-0.5 * min(step^-0.5, step * warmup^-1.5). "
                           f"[the preset's: {per_preset('learning_rate_scale')}] The paper: 1.")
+    how.add_argument("--cooldown", **checked("cooldown"), default=None,
+                     help="Fraction of the run's budget, at its end, over which the learning rate falls linearly "
+                          "to zero: of --train-steps, or of --max-minutes when that runs out first. "
+                          f"[the preset's: {per_preset('cooldown')}] The paper: 0.")
     how.add_argument("--label-smoothing", **checked("label_smoothing"), default=None,
                      help=f"Label smoothing eps. [{general['label_smoothing']:g}]")
     how.add_argument("--seed", **checked("seed"), default=None,
