@@ -91,7 +91,7 @@ RECIPES = {
             model=dict(num_layers=4, d_model=128, num_heads=4, d_ff=256, dropout_rate=0.3),
             training=dict(
                 train_steps=20000, max_minutes=57.0, token_budget=4096, warmup_steps=2000, learning_rate_scale=1.75,
-                cooldown=0.2, log_every=100, checkpoint_every=100, keep_checkpoints=10, eval_every=500, average_last=10,
+                log_every=100, checkpoint_every=100, keep_checkpoints=10, eval_every=500, average_last=10,
                 bleu_sentences=300, vocab_size=4000,
             ),
             decoding=DecodingSettings(alpha=1.0),
