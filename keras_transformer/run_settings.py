@@ -94,8 +94,15 @@ def probability(text):
     return value
 
 
+def fraction(text):
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 _INTEGER_CHECKS = (positive_int, non_negative_int, seed)
-_NUMBER_CHECKS = (positive_float, non_negative_float, probability)
+_NUMBER_CHECKS = (positive_float, non_negative_float, probability, fraction)
 
 
 def _setting(check, *, section="train", key=None, pinned=False, nullable=False, recorded=False):
@@ -124,7 +131,7 @@ class RunSettings:
     dropout: float = _setting(probability, section="model", key="dropout_rate", pinned=True)
     warmup_steps: int = _setting(positive_int, pinned=True)
     learning_rate_scale: float = _setting(positive_float, pinned=True)
-    cooldown: float = _setting(probability, pinned=True)
+    cooldown: float = _setting(fraction, pinned=True)
     label_smoothing: float = _setting(probability, pinned=True)
     mixed_precision: str = _setting(precision.CHOICES, pinned=True)
     jit_compile: bool = _setting(bool)

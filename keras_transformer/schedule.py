@@ -41,7 +41,7 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
         scale: Multiplier of the whole schedule (paper: 1.0). Small models on small
             corpora often train better with a larger peak rate.
         cooldown: Fraction of the run's budget at its end over which the rate falls
-            linearly to zero, in `[0, 1)`; 0 (the paper): none.
+            linearly to zero, in `[0, 1]`; 0 (the paper): none; 1: the whole run.
 
     Attributes:
         budget_used: float32 variable, the fraction of the run's budget used so far,
@@ -61,8 +61,8 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
                 "d_model, warmup_steps and scale must be positive, got "
                 f"{d_model!r}, {warmup_steps!r} and {scale!r}."
             )
-        if not 0.0 <= cooldown < 1.0:
-            raise ValueError(f"cooldown must be in [0, 1), got {cooldown!r}.")
+        if not 0.0 <= cooldown <= 1.0:
+            raise ValueError(f"cooldown must be in [0, 1], got {cooldown!r}.")
         self.d_model = d_model
         self.warmup_steps = warmup_steps
         self.scale = scale

@@ -136,8 +136,8 @@ class TrainingConfig:
             raise ValueError(f"patience must be 0 (off) or positive, got {self.patience!r}.")
         if self.patience and not self.eval_every:
             raise ValueError(f"patience ({self.patience}) counts validations: it needs eval_every > 0.")
-        if not 0.0 <= self.cooldown < 1.0:
-            raise ValueError(f"cooldown must be in [0, 1), got {self.cooldown!r}.")
+        if not 0.0 <= self.cooldown <= 1.0:
+            raise ValueError(f"cooldown must be in [0, 1], got {self.cooldown!r}.")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}.")
         if self.mixed_precision not in DTYPE_POLICIES:

@@ -36,11 +36,12 @@ def test_scale_multiplies_the_rate():
     )
 
 
+@pytest.mark.parametrize("cooldown", [0.2, 1.0])
 @pytest.mark.parametrize("budget_used", [0.0, 0.5, 0.8, 0.85, 0.99, 1.0, 1.3])
-def test_a_cooldown_falls_linearly_to_zero_over_the_end_of_the_budget(budget_used):
-    schedule = TransformerSchedule(256, 800, cooldown=0.2)
+def test_a_cooldown_falls_linearly_to_zero_over_the_end_of_the_budget(budget_used, cooldown):
+    schedule = TransformerSchedule(256, 800, cooldown=cooldown)
     schedule.budget_used.assign(budget_used)
-    factor = min(max((1.0 - budget_used) / 0.2, 0.0), 1.0)
+    factor = min(max((1.0 - budget_used) / cooldown, 0.0), 1.0)
     np.testing.assert_allclose(float(schedule(4999)), factor * paper_rate(5000, 256, 800), rtol=1e-5, atol=1e-12)
 
 
@@ -60,8 +61,8 @@ def test_config_round_trip():
 def test_rejects_non_positive_arguments_and_a_cooldown_outside_0_1():
     with pytest.raises(ValueError, match="positive"):
         TransformerSchedule(512, warmup_steps=0)
-    for cooldown in (-0.1, 1.0):
-        with pytest.raises(ValueError, match=r"cooldown must be in \[0, 1\)"):
+    for cooldown in (-0.1, 1.1):
+        with pytest.raises(ValueError, match=r"cooldown must be in \[0, 1\]"):
             TransformerSchedule(512, cooldown=cooldown)
 
 

@@ -162,12 +162,13 @@ def test_a_pinned_setting_of_a_file_is_refused_by_the_run(tmp_path, capsys):
         ({"data": {"source_lang": False}}, "data.source_lang must be a string, got false (quote it: YAML reads"),
         ({"data": {"data_dir": "/data"}}, "unknown key data.data_dir: --data-dir is no setting of the run"),
         ({"model": {"dropout_rate": 1.5}}, "model.dropout_rate must be in [0, 1), got 1.5."),
+        ({"train": {"cooldown": 1.5}}, "train.cooldown must be in [0, 1], got 1.5."),
         ({"model": {"d_model": 512}}, "model.d_model is 512, but the small preset with vocab_size 4000 has 128"),
         ({"optimizer": {}}, "unknown section 'optimizer'"),
         ({"train": [1, 2]}, "train must be a mapping of keys to values, got [1, 2]."),
     ],
     ids=["type", "typo", "section", "range", "integer", "null", "boolean", "replicas", "choice", "yaml-no",
-         "per-command", "probability", "derived", "unknown-section", "not-a-mapping"],
+         "per-command", "probability", "fraction", "derived", "unknown-section", "not-a-mapping"],
 )
 def test_a_wrong_key_or_value_in_a_file_is_one_error_naming_it(tmp_path, capsys, config, message):
     path = _write(tmp_path / "exp.yaml", config)
@@ -228,6 +229,11 @@ def test_a_missing_file_or_a_directory_is_one_error(tmp_path, capsys):
 
 
 # --- A step-based default ----------------------------------------------------------------------
+
+
+def test_a_cooldown_may_last_the_whole_run():
+    """--cooldown 1 is the linear decay from the first step (a fraction, unlike a dropout rate)."""
+    assert _resolve("--run-dir", "unused", "--cooldown", "1").cooldown == 1.0
 
 
 def test_the_default_recipe_stops_after_its_steps_not_on_time():
