@@ -228,12 +228,12 @@ def test_a_missing_file_or_a_directory_is_one_error(tmp_path, capsys):
     assert f"--config {tmp_path} is a directory; give a file, such as {tmp_path / 'config.json'}." in line
 
 
-# --- A step-based default ----------------------------------------------------------------------
-
-
 def test_a_cooldown_may_last_the_whole_run():
     """--cooldown 1 is the linear decay from the first step (a fraction, unlike a dropout rate)."""
     assert _resolve("--run-dir", "unused", "--cooldown", "1").cooldown == 1.0
+
+
+# --- A step-based default ----------------------------------------------------------------------
 
 
 def test_the_default_recipe_stops_after_its_steps_not_on_time():
