@@ -32,8 +32,10 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
   their `row_state` (per-row inputs of the scoring function that never change, such as
   the encoder memory), so that no step scores a row that is done: a batch costs about
   what its rows cost one by one, not its longest row's steps for every row. Under XLA,
-  whose shapes are fixed, done rows stay in the batch (`drop_done_rows`); results are
-  the same either way.
+  whose shapes are fixed, the batch halves instead: once at most half of its rows are
+  open, the open ones move to a batch of half the size (`XLA_HALVINGS` times at most;
+  each size compiles one more loop per cache length). Results are the same either way
+  (`drop_done_rows`).
 * A minimum length (`min_length`, fairseq's `--min-len`): EOS is not generated before
   that many other tokens. `DecodingSettings` defaults to 1, so that a sentence never
   translates to an empty output (a blank one is the caller's to handle), as with fairseq
@@ -71,6 +73,9 @@ from keras_transformer.tokenizer import PAD_ID
 # Score of impossible candidates and of empty n-best slots; see the module docstring.
 NEG_INF = -1e9
 _IMPOSSIBLE = NEG_INF / 2
+# Under XLA, how many times a batch may halve as its rows finish (see the module docstring):
+# once took most of three halvings' gain, for half their extra compilation.
+XLA_HALVINGS = 1
 
 SymbolsToLogitsFn = Callable[..., tuple[tf.Tensor, Any]]
 
@@ -250,8 +255,9 @@ def search(
             (not per beam: a row's beams share it), passed to `symbols_to_logits_fn`
             as they are and gathered with the rows when done rows leave the batch:
             the encoder memory and source mask of a translation.
-        drop_done_rows: Whether the rows that are done leave the batch (see the module
-            docstring). `None`: yes, unless the search is being compiled with XLA.
+        drop_done_rows: Whether the rows that are done leave the batch: one by one in
+            graph mode, by halving the batch under XLA (see the module docstring).
+            `None`: yes.
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`, see there.
@@ -266,7 +272,8 @@ def search(
         raise ValueError(f"n_best must be between 1 and beam_size ({beam_size}), got {n_best}.")
     check_early_stopping(early_stopping)
     if drop_done_rows is None:
-        drop_done_rows = not _compiling_with_xla()
+        drop_done_rows = True
+    halve_batch = drop_done_rows and _compiling_with_xla()
     num_candidates = _num_candidates(beam_size)
 
     def with_rows_done(state: BeamState, rows: Rows) -> BeamState:
@@ -355,16 +362,57 @@ def search(
             [state.step < max_decode_length, state.step < end, tf.logical_not(tf.reduce_all(state.rows_done))]
         )
 
+    def halving_loops(state: BeamState, rows: Rows, results: Finished, end, halvings, halved=False):
+        """XLA: steps until `end`, the batch halving while it may; returns a batch of `batch_size` rows.
+
+        Each call is one loop over a fixed batch (`halved`: smaller than `batch_size`).
+        It stops early once at most half of its rows are open; they then move to a batch
+        half its size, searched by the next call. At the end, a halved batch is padded
+        back to the full one, so that the next cache segment starts from a size known
+        when compiling.
+        """
+
+        def full_batch(state, rows, results):
+            return (*_padded_rows(state, rows, batch_size, beam_size), results) if halved else (state, rows, results)
+
+        size = tf.shape(state.rows_done)[0]
+        half = (size + 1) // 2
+        may_halve = halvings > 0
+
+        def keep_going(state):
+            if not may_halve:
+                return should_continue(state, end)
+            many_open = tf.logical_or(_open_rows(state) > half, half >= size)
+            return tf.logical_and(should_continue(state, end), many_open)
+
+        (state,) = tf.while_loop(
+            keep_going,
+            lambda state: (grow(state, rows),),
+            (state,),
+            shape_invariants=(tf.nest.map_structure(_any_batch_size, state),),
+        )
+        if not may_halve:
+            return full_batch(state, rows, results)
+        return tf.cond(
+            should_continue(state, end),  # stopped to halve
+            lambda: halving_loops(*_halved(state, rows, results, half, beam_size), end, halvings - 1, halved=True),
+            lambda: full_batch(state, rows, results),
+        )
+
     if cache_lengths and extend_cache_fn is None:
         raise ValueError("cache_lengths needs an extend_cache_fn to grow the cache.")
     state = _initial_state(initial_ids, initial_cache, max_decode_length, beam_size, pad_id)
     rows = Rows(tf.range(batch_size), row_max_lengths, () if row_state is None else row_state)
     results = _finished(state)
+    if halve_batch:  # One more row, where the padding rows' results go (see `_padded_rows`).
+        results = Finished(*(tf.concat([r, r[:1]], axis=0) for r in results))
     state = with_rows_done(state, rows)
     for segment, end in enumerate([*(cache_lengths or []), max_decode_length]):
         if segment:
             state = state._replace(alive_cache=extend_cache_fn(state.alive_cache, end))
-        if drop_done_rows:
+        if halve_batch:
+            state, rows, results = halving_loops(state, rows, results, end, XLA_HALVINGS)
+        elif drop_done_rows:
             state, rows, results = tf.while_loop(
                 lambda state, rows, results, end=end: should_continue(state, end),
                 step,
@@ -378,7 +426,10 @@ def search(
                 (state,),
                 shape_invariants=(tf.nest.map_structure(_any_batch_size, state),),
             )
-    return _hypotheses(_with_rows(results, rows.ids, _finished(state)), n_best, pad_id)
+    results = _with_rows(results, rows.ids, _finished(state))
+    if halve_batch:
+        results = Finished(*(r[:batch_size] for r in results))
+    return _hypotheses(results, n_best, pad_id)
 
 
 def doubling_cache_lengths(max_decode_length, first=16, doublings=2):
@@ -533,11 +584,49 @@ def _without_done_rows(state: BeamState, rows: Rows, results: Finished, beam_siz
         results, tf.gather(rows.ids, done), Finished(*(tf.gather(t, done) for t in _finished(state)))
     )
     kept = tf.where(tf.logical_not(state.rows_done))[:, 0]
-    alive_cache = tf.nest.map_structure(lambda t: _gather_rows(t, kept, beam_size), state.alive_cache)
-    row_state = tf.nest.map_structure(lambda t: tf.gather(t, kept), rows.state)
-    per_row = [name for name in BeamState._fields if name not in ("step", "alive_cache")]
-    state = state._replace(alive_cache=alive_cache, **{name: tf.gather(getattr(state, name), kept) for name in per_row})
-    return state, Rows(tf.gather(rows.ids, kept), tf.gather(rows.max_lengths, kept), row_state), results
+    return (*_gather_state(state, rows, kept, beam_size), results)
+
+
+def _open_rows(state: BeamState):
+    """int32 scalar: how many rows are still searched."""
+    return tf.reduce_sum(tf.cast(tf.logical_not(state.rows_done), tf.int32))
+
+
+def _gather_state(state: BeamState, rows: Rows, indices, beam_size) -> tuple[BeamState, Rows]:
+    """The rows `indices` of the search's state and rows (the cache with each row's beams)."""
+    alive_cache = tf.nest.map_structure(lambda t: _gather_rows(t, indices, beam_size), state.alive_cache)
+    per_row = {
+        name: tf.gather(getattr(state, name), indices)
+        for name in BeamState._fields
+        if name not in ("step", "alive_cache")
+    }
+    rows = Rows(*(tf.nest.map_structure(lambda t: tf.gather(t, indices), field) for field in rows))
+    return state._replace(alive_cache=alive_cache, **per_row), rows
+
+
+def _halved(state: BeamState, rows: Rows, results: Finished, size, beam_size):
+    """XLA: the state of `size` rows, the open ones first; every row's hypotheses saved to `results`.
+
+    The open rows must fit. Done rows fill the rest: their hypotheses no longer
+    change, so saving them again at the end changes nothing.
+    """
+    results = _with_rows(results, rows.ids, _finished(state))
+    kept = tf.argsort(tf.cast(state.rows_done, tf.int32), stable=True)[:size]
+    return (*_gather_state(state, rows, kept, beam_size), results)
+
+
+def _padded_rows(state: BeamState, rows: Rows, batch_size, beam_size) -> tuple[BeamState, Rows]:
+    """XLA: the state padded to `batch_size` rows with done copies of its first row.
+
+    The padding rows' results go to the row after the batch's last (`batch_size`),
+    which the search drops.
+    """
+    size = tf.shape(state.rows_done)[0]
+    indices = tf.concat([tf.range(size), tf.zeros([batch_size - size], tf.int32)], axis=0)
+    state, rows = _gather_state(state, rows, indices, beam_size)
+    padding = tf.range(batch_size) >= size
+    state = state._replace(rows_done=tf.logical_or(state.rows_done, padding))
+    return state, rows._replace(ids=tf.where(padding, batch_size, rows.ids))
 
 
 def _hypotheses(finished: Finished, n_best, pad_id) -> Hypotheses:

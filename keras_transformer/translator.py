@@ -32,11 +32,11 @@ Input handling, chosen so that no input makes serving fail:
 
 With `jit_compile=True`, `translate`'s search of a batch of up to `xla_max_batch`
 sentences (not the tokenizer, whose ops XLA cannot compile) runs as one XLA
-computation, which on CPUs saves most of the per-op overhead of a small batch (see
-docs/performance.md). Larger batches take the graph-mode search, where rows that are
-done leave the batch; XLA's fixed shapes keep them, which costs more than the per-op
-overhead once a batch holds sentences of many lengths. XLA compiles once per input
-shape, so sources are padded to a few bucket lengths (powers of two from 16 to
+computation, which on CPUs saves most of the per-op overhead (see
+docs/performance.md). Its fixed shapes keep the rows that are done in the batch until
+the batch halves (`search_core.XLA_HALVINGS`); larger batches take the graph-mode
+search, where done rows leave one by one. XLA compiles once per input shape, so
+sources are padded to a few bucket lengths (powers of two from 16 to
 `max_source_length`): a server compiles each (batch size, bucket) it meets once. TF
 Serving runs such a model on a CPU only with `--xla_cpu_compilation_enabled=true`.
 
@@ -68,7 +68,8 @@ __all__ = [
 DEFAULT_MAX_SOURCE_LENGTH = DEFAULT_MAX_LENGTH
 # Shortest source bucket of the XLA search; longer buckets double up to max_source_length.
 MIN_XLA_BUCKET = 16
-# Largest batch `translate` searches with XLA when compiled; larger ones drop done rows instead.
+# Largest batch `translate` searches with XLA when compiled; larger ones take the graph-mode
+# search, which was as fast at 32 sentences (docs/performance.md) and compiles nothing.
 DEFAULT_XLA_MAX_BATCH = 16
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_transformer import decoding
+from keras_transformer import decoding, search_core
 from keras_transformer.tokenizer import PAD_ID
 from length_penalty import penalty
 
@@ -475,6 +475,25 @@ def test_a_batch_scores_each_row_only_until_its_search_is_over(beam_size):
             np.testing.assert_allclose(result.scores[row], alone.scores[0], rtol=1e-6)
     assert int(scored_in_batch.numpy()) == scored_alone
     assert int(scored_without_dropping.numpy()) > scored_alone  # so the count means something
+
+
+@pytest.mark.parametrize("halvings", [search_core.XLA_HALVINGS, 3])
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_under_xla_a_batch_halves_as_its_rows_finish(beam_size, halvings, monkeypatch):
+    # XLA's shapes are fixed, so the batch halves (7 -> 4 -> 2 -> 1 rows with 3 halvings)
+    # once at most half its rows are open; the hypotheses are the graph-mode search's.
+    monkeypatch.setattr(search_core, "XLA_HALVINGS", halvings)
+    tables = make_tables(seed=6)
+    scored_halving, scored_kept, scored_alone = tf.Variable(0), tf.Variable(0), tf.Variable(0)
+    expected = run_search(tables, beam_size, 0.6, n_best=1, scored=scored_alone)  # graph mode: rows leave one by one
+    halving = run_search(tables, beam_size, 0.6, n_best=1, scored=scored_halving, jit_compile=True)
+    kept = run_search(tables, beam_size, 0.6, n_best=1, scored=scored_kept, jit_compile=True, drop_done_rows=False)
+    for result in (halving, kept):
+        np.testing.assert_array_equal(result.tokens, expected.tokens)
+        np.testing.assert_allclose(result.scores, expected.scores, rtol=1e-6)
+    assert int(scored_alone.numpy()) < int(scored_halving.numpy()) < int(scored_kept.numpy())
+    if halvings == 3:  # down to one row: every step scores fewer than twice the open rows' beams
+        assert int(scored_halving.numpy()) < 2 * int(scored_alone.numpy())
 
 
 def test_search_stops_once_no_alive_beam_can_win():

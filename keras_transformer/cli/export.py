@@ -28,6 +28,13 @@ SAVEDMODEL_FLAGS = (
 )
 
 
+def preset_alphas():
+    """'tiny 1, small 1, ...': each preset's length penalty, for the help text."""
+    from keras_transformer.recipes import RECIPES
+
+    return ", ".join(f"{name} {recipe.decoding.alpha:g}" for name, recipe in RECIPES.items())
+
+
 def parse_args(argv=None):
     from keras_transformer.translator import DEFAULT_MAX_SOURCE_LENGTH, DEFAULT_XLA_MAX_BATCH
 
@@ -68,7 +75,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--alpha",
         type=float,
-        help=f"serving_default's length penalty (default: the run's, usually {defaults.alpha}).",
+        help=f"serving_default's length penalty (default: the run's; the presets': {preset_alphas()}).",
     )
     parser.add_argument(
         "--max-extra-length",
