@@ -20,9 +20,12 @@ from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: 
 
 VOCAB_SIZE = 64
 PIECES = ["<pad>", "<unk>", "<s>", "</s>"] + [f"▁w{i}" for i in range(4, VOCAB_SIZE)]
-# Multi30k test2016 sentences of the search comparison, and the share that must match.
+# Multi30k test2016 sentences of the search comparison, and the share that must match: the
+# others must be sentences where our search found a better translation than CTranslate2's
+# (it finishes EOS candidates among the best 2 * beam, CTranslate2 among the best beam).
+# The tiny model's share moves with the CPU's rounding (0.98-0.995 seen).
 SEARCH_SENTENCES = 200
-SAME_AT_LEAST = 0.99
+SAME_AT_LEAST = 0.97
 
 
 def random_model(seed=0, **config):
@@ -228,15 +231,18 @@ def test_ctranslate2_searches_as_our_beam_search_with_alpha_0(exported_dir, tiny
     theirs = ctranslate2_export.translate_ids(ctranslate2.Translator(str(exported_dir)), sources, pieces, settings)
 
     different = [row for row in range(len(sources)) if ours[row] != theirs[row][0]]
+    ours_better = []
     for row in different:
         their_ids, their_score = theirs[row]
         first = next((t for t, (a, b) in enumerate(zip(ours[row], their_ids)) if a != b), None)
         rescored = ctranslate2_export.our_log_probs(model, [sources[row]] * 2, [ours[row], their_ids])
+        our_total, their_total = sum(rescored[0][: len(ours[row])]), sum(rescored[1][: len(their_ids)])
+        ours_better.append(our_total > their_total and float(found.scores[row]) > their_score)
         print(
             f"sentence {row}: first difference at token {first}; search scores ours {float(found.scores[row]):.4f}, "
-            f"CTranslate2 {their_score:.4f}; our model's scores of the two "
-            f"{sum(rescored[0][: len(ours[row])]):.4f} and {sum(rescored[1][: len(their_ids)]):.4f}"
+            f"CTranslate2 {their_score:.4f}; our model's scores of the two {our_total:.4f} and {their_total:.4f}"
         )
     same = 1 - len(different) / len(sources)
     print(f"{same:.1%} of {len(sources)} translations are the same")
     assert same >= SAME_AT_LEAST
+    assert all(ours_better)  # a difference is CTranslate2's search missing a better translation

@@ -151,7 +151,7 @@ def test_transformer_round_trips_through_a_keras_file_in_a_new_process(tmp_path)
         model = keras.saving.load_model({str(tmp_path / 'model.keras')!r})
         assert type(model).__name__ == "Transformer", type(model)
         got = np.asarray(model((data["source"], data["target"])))
-        np.testing.assert_allclose(got, data["expected"], atol=1e-6)
+        np.testing.assert_allclose(got, data["expected"], atol=1e-5)  # another process may round otherwise
         print("same outputs")
         """
     )

@@ -29,7 +29,7 @@ SAVEDMODEL_FLAGS = (
 
 
 def preset_alphas():
-    """'tiny 1, small 1, ...': each preset's length penalty, for the help text."""
+    """'tiny 0.6, small 1, ...': each preset's length penalty, for the help text."""
     from keras_transformer.recipes import RECIPES
 
     return ", ".join(f"{name} {recipe.decoding.alpha:g}" for name, recipe in RECIPES.items())
