@@ -26,7 +26,8 @@ keys other than dropout_rate, which the preset and the vocabulary size determine
 unknown key or a wrong value is one `SettingsError` naming the file and the key.
 `mixed_precision: auto` (the default) is resolved when the run starts
 (`keras_transformer.precision`) and saved as the choice, with its reason
-(`train.precision_reason`); asked of a run that has one, it keeps it.
+(`train.precision_reason`); asked of a run that has one, it keeps it. A new run given a
+precision by a --config file takes it, and its reason names the file.
 """
 
 import argparse
@@ -273,6 +274,10 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
         )
     elif "mixed_precision" in explicit:
         settings = settings.replace(precision_reason=None)  # Chosen now, for the reason the run will log.
+    elif from_file.get("mixed_precision", precision.AUTO) != precision.AUTO and "mixed_precision" not in saved:
+        # Another run's reason (its CPU's bf16 speed, say) is not this machine's.
+        reason = _precision_from_file(config_file, from_file.get("precision_reason"))
+        settings = settings.replace(precision_reason=reason)
     if model_keys:  # Checked against the file's own settings: flags may change what they determine.
         _check_model_keys(model_keys, layered(saved, from_file), config_file)
     if settings.max_minutes == 0:
@@ -463,6 +468,12 @@ def config_file_settings(path):
                 if not SETTINGS[name]["recorded"]:
                     settings[name] = value
     return settings, model_keys
+
+
+def _precision_from_file(config_file, file_reason):
+    """Why a new run computes in the precision its --config file names (and why that file's run did)."""
+    reason = f"--config {config_file}"
+    return reason if file_reason is None else f"{reason} (whose run chose it: {file_reason})"
 
 
 def _unknown_key(section, key):

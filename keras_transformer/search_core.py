@@ -200,7 +200,7 @@ def search(
     early_stopping="exact",
     min_length=0,
     row_state=None,
-    drop_done_rows=None,
+    drop_done_rows=True,
 ) -> Hypotheses:
     """Beam search with any scoring function (greedy decoding for `beam_size=1`).
 
@@ -257,7 +257,6 @@ def search(
             the encoder memory and source mask of a translation.
         drop_done_rows: Whether the rows that are done leave the batch: one by one in
             graph mode, by halving the batch under XLA (see the module docstring).
-            `None`: yes.
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`, see there.
@@ -271,8 +270,6 @@ def search(
     if isinstance(beam_size, int) and isinstance(n_best, int) and not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be between 1 and beam_size ({beam_size}), got {n_best}.")
     check_early_stopping(early_stopping)
-    if drop_done_rows is None:
-        drop_done_rows = True
     halve_batch = drop_done_rows and _compiling_with_xla()
     num_candidates = _num_candidates(beam_size)
 

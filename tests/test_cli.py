@@ -95,10 +95,40 @@ def test_translate_with_a_beam_over_the_translators_limit(run, multi30k_tokenize
     _assert_translate_error(exit_code, capsys.readouterr().err, "beam_size must be between 1 and 16, got 17")
 
 
-def test_translate_with_an_unknown_early_stop(run, multi30k_tokenizer, capsys):
+def test_translate_with_an_unknown_early_stop_is_a_usage_error_that_lists_the_choices(capsys):
+    with pytest.raises(SystemExit) as raised:
+        load_translate_cli().parse_args(["--run-dir", "r", "--early-stopping", "never", "A dog."])
+    error = capsys.readouterr().err
+    assert raised.value.code == 2 and "argument --early-stopping: invalid choice: 'never'" in error
+    assert "exact" in error and "current_length" in error
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--xla-max-batch", "8"], "--xla-max-batch needs --jit-compile."),
+        (["--jit-compile", "--xla-max-batch", "-1"], "--xla-max-batch must be 0 or more."),
+    ],
+)
+def test_translate_takes_xla_max_batch_with_jit_compile_only(capsys, flags, message):
+    with pytest.raises(SystemExit) as raised:
+        load_translate_cli().parse_args(["--run-dir", "r", *flags, "A dog."])
+    assert raised.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, expected", [([], None), (["--xla-max-batch", "32"], 32), (["--xla-max-batch", "0"], 0)]
+)
+def test_translate_searches_batches_up_to_xla_max_batch_with_xla(run, multi30k_tokenizer, capsys, flags, expected):
+    from keras_transformer.translator import DEFAULT_XLA_MAX_BATCH
+
     multi30k_tokenizer.save(run_dir.tokenizer_path(run))
-    exit_code = load_translate_cli().main(["--run-dir", str(run), "--early-stopping", "never", "A dog."])
-    _assert_translate_error(exit_code, capsys.readouterr().err, "early_stopping must be one of", "'never'")
+    cli = load_translate_cli()
+    module, _ = cli.load_translator(cli.parse_args(["--run-dir", str(run), "--jit-compile", *flags, "A dog."]))
+    assert module.jit_compile and module.xla_max_batch == (DEFAULT_XLA_MAX_BATCH if expected is None else expected)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    assert f"searched with XLA (default {DEFAULT_XLA_MAX_BATCH})" in " ".join(capsys.readouterr().out.split())
 
 
 def test_translate_refuses_an_early_stop_for_a_saved_model(capsys):

@@ -93,6 +93,17 @@ def test_auto_keeps_the_precision_a_run_chose(tmp_path):
     assert new.mixed_precision == "auto"  # resolved when the run starts, on its devices
 
 
+def test_a_new_run_given_another_runs_precision_by_a_config_file_says_so(tmp_path):
+    other_reason = "auto: this CPU computes bfloat16 natively (avx512_bf16): bf16 matmuls ran 1.94x as fast as float32"
+    config = tmp_path / "config.json"
+    train = {"preset": "tiny", "mixed_precision": "bf16", "precision_reason": other_reason}
+    config.write_text(json.dumps({"train": train}))
+    args = train_cli.build_parser().parse_args(["--config", str(config), "--run-dir", str(tmp_path / "new")])
+    settings = train_cli.resolve_settings(args)[0]
+    assert settings.mixed_precision == "bf16"
+    assert settings.precision_reason == f"--config {config} (whose run chose it: {other_reason})"
+
+
 _TRAIN_WITH_CPU_FLAGS = """
 import sys
 from keras_transformer import precision

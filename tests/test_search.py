@@ -124,7 +124,7 @@ def run_search(
     early_stopping="exact",
     min_length=0,
     scored=None,
-    drop_done_rows=None,
+    drop_done_rows=True,
 ):
     """`decoding.search` over `tables`; with `cache_lengths`, the history scorer's growing cache."""
     rows = len(tables)

@@ -83,8 +83,13 @@ def test_a_runs_config_json_given_back_trains_the_same_run(tmp_path, small_corpu
     given_back = run_dir.read_config(run)
     # The data directory is no setting of a run: each command gives it.
     data_dir = small_corpus[small_corpus.index("--data-dir") + 1]
-    _train("--config", str(run / run_dir.CONFIG_FILE), "--run-dir", str(new), "--data-dir", data_dir)
-    assert run_dir.read_config(new) == given_back
+    config = run / run_dir.CONFIG_FILE
+    _train("--config", str(config), "--run-dir", str(new), "--data-dir", data_dir)
+    taken = run_dir.read_config(new)
+    # The precision is the file's, and so says the reason (this machine did not choose it).
+    reason = given_back["train"].pop("precision_reason")
+    assert taken["train"].pop("precision_reason") == f"--config {config} (whose run chose it: {reason})"
+    assert taken == given_back
     assert given_back["train"]["seed"] == 3 and given_back["model"]["dropout_rate"] == 0.15
 
 

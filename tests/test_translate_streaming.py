@@ -3,6 +3,7 @@
 import io
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -104,6 +105,30 @@ def test_input_and_output_files_keep_the_lines_and_their_order(tiny_translation_
     assert written.pop() == ""  # The last line ends with "\n" too.
     assert written == _translations(translator, lines)
     assert [index for index, line in enumerate(written) if not line] == [i for i in range(50) if i % 7 == 3]
+
+
+def test_translating_into_a_file_reports_progress_on_stderr(tiny_translation_run, sources, tmp_path, capsys,
+                                                            monkeypatch):
+    cli = load_translate_cli()
+    monkeypatch.setattr(cli, "PROGRESS_SECONDS", 0.0)  # A line after every batch.
+    input_path, output_path = tmp_path / "input.en", tmp_path / "output.de"
+    input_path.write_text("".join(sentence + "\n" for sentence in sources[:5]), encoding="utf-8")
+    run = ["--run-dir", str(tiny_translation_run), "--batch-size", "2", "--input", str(input_path)]
+
+    assert cli.main([*run, "--output", str(output_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(output_path.read_text(encoding="utf-8").splitlines()) == 5
+    reports = [line for line in captured.err.splitlines() if line.startswith(f"{cli.PROG}: ")]
+    rate = r"\(\d+\.\d sentences/s\)"
+    counts = [re.fullmatch(rf"{cli.PROG}: (\d+) sentences translated {rate}", line) for line in reports[:-1]]
+    assert [found and found.group(1) for found in counts] == ["2", "4", "5"], captured.err[-2000:]
+    end = rf"{cli.PROG}: translated 5 sentences in \d+\.\d s {rate} into {re.escape(str(output_path))}"
+    assert re.fullmatch(end, reports[-1])
+
+    # Into stdout, the translations themselves show the progress.
+    assert cli.main(run) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 5 and f"{cli.PROG}: " not in captured.err
 
 
 def test_a_batch_holds_the_lines_that_have_arrived():

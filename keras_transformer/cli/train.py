@@ -1,11 +1,11 @@
 """`kt-train` (`python train.py`): train a Transformer translation model with the recipe of "Attention Is All You Need".
 
-    MULTI30K_DIR=../shared/data/multi30k kt-train         # small preset: 800 steps, ~10 min on 2 CPU cores
+    MULTI30K_DIR=../shared/data/multi30k kt-train         # small preset: 1600 steps, 10-20 min on 2 CPU cores
     kt-train --preset medium                               # best Multi30k BLEU in ~1 hour on CPU
     kt-train --preset base --dataset wmt14                 # the paper's base model (GPUs)
     kt-train --run-dir RUN                                 # resume RUN, or evaluate it again if done
     kt-train --config RUN/config.json --run-dir NEW        # RUN's settings again, in NEW
-    kt-train --eval-every 100 --patience 3                 # stop once validation BLEU stops improving
+    kt-train --run-dir NEW --eval-every 100 --patience 3   # a new run that stops once validation BLEU does not improve
     kt-train --run-dir RUN --average-last 5 --average-only
 
 Every setting comes from its flag, else the `--config` file, else the run directory's
@@ -32,7 +32,7 @@ def build_parser():
     from keras_transformer.run_settings import defaults, flag_options as checked, positive_float
 
     def per_preset(name):
-        """'tiny 200, small 800, ...': the recipes' defaults of setting `name`, for help texts."""
+        """'tiny 200, small 1600, ...': the recipes' defaults of setting `name`, for help texts."""
         values = {preset: defaults(preset, DEFAULT_CORPUS)[name] for preset in RECIPES}
         return ", ".join(f"{preset} {'none' if value is None else f'{value:g}'}" for preset, value in values.items())
 

@@ -18,6 +18,10 @@ to a pipe is answered at once, and a file of any size is translated in full batc
 with bounded memory. Lines end at "\\n" only, as the corpus reader's; a line's trailing
 "\\r" (CRLF files) and a leading byte order mark are dropped; invalid UTF-8 is passed on.
 
+With `--output`, the terminal is free for progress: a line on stderr every
+`PROGRESS_SECONDS` with the sentences translated so far and their rate, and one at the
+end (none when translations go to stdout, where they are the progress).
+
 `--attention FILE.png` (with `--run-dir`, for one sentence given as an argument) draws
 the encoder-decoder attention of the translation, teacher forced on the translation as
 the tokenizer splits it: a heatmap per decoder layer, mean over heads, source pieces
@@ -42,18 +46,21 @@ import os
 import re
 import select
 import sys
+import time
 from pathlib import Path
 
 import tensorflow as tf
 import tensorflow_text  # noqa: F401  Registers the SentencePiece ops a SavedModel needs.
 
 from keras_transformer import signatures as signature_table
-from keras_transformer.decoding_settings import DecodingSettings
+from keras_transformer.decoding_settings import EARLY_STOPPING, DecodingSettings
 
 # The command's name in its messages: kt-translate when run so, else the repository's script.
 PROG = Path(sys.argv[0]).name if Path(sys.argv[0]).name == "kt-translate" else "translate.py"
 # Bytes asked of the input at a time: a few batches of typical lines, never the whole input.
 READ_CHUNK_BYTES = 1 << 16
+# Seconds between progress lines on stderr while translating into an --output file.
+PROGRESS_SECONDS = 10.0
 
 
 class LoadError(Exception):
@@ -98,6 +105,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--early-stopping",
+        choices=EARLY_STOPPING,
         help="With --run-dir: when the beam search stops, exact (default) or current_length "
         "(sooner, not always the exact result); an export searches as it was exported.",
     )
@@ -107,6 +115,13 @@ def parse_args(argv=None):
         help="With --run-dir: compile the beam search with XLA (faster per sentence; each "
         "batch shape compiles once). Not with --n-best or --max-length, which use the "
         "graph-mode options signature; an export made with --jit-compile uses XLA by itself.",
+    )
+    parser.add_argument(
+        "--xla-max-batch",
+        type=int,
+        # The number, not the translator's constant: translating a SavedModel does not import it (tests compare).
+        help="With --jit-compile, the largest batch searched with XLA (default 16); "
+        "larger batches take the graph-mode search, in which finished sentences leave the batch.",
     )
     parser.add_argument("--scores", action="store_true", help="Print 'score<TAB>translation'.")
     parser.add_argument(
@@ -139,6 +154,10 @@ def parse_args(argv=None):
         parser.error("--min-length must be 0 or more.")
     if args.jit_compile and (args.saved_model or args.n_best or args.max_length is not None):
         parser.error("--jit-compile goes with --run-dir, without --n-best and --max-length.")
+    if args.xla_max_batch is not None and not args.jit_compile:
+        parser.error("--xla-max-batch needs --jit-compile.")
+    if args.xla_max_batch is not None and args.xla_max_batch < 0:
+        parser.error("--xla-max-batch must be 0 or more.")
     if args.early_stopping is not None and args.saved_model:
         parser.error("--early-stopping goes with --run-dir; an export searches as it was exported.")
     if args.checkpoint is not None and args.saved_model:
@@ -167,7 +186,7 @@ def load_translator(args):
         return module, module.signatures
     # Imported here: a SavedModel needs TensorFlow only, not the model's code (nor Keras).
     from keras_transformer import run_dir
-    from keras_transformer.translator import Translator
+    from keras_transformer.translator import DEFAULT_XLA_MAX_BATCH, Translator
 
     try:
         # Unset, the settings are the run's own.
@@ -175,9 +194,10 @@ def load_translator(args):
             beam_size=args.beam_size, alpha=args.alpha, early_stopping=args.early_stopping, min_length=args.min_length
         )
         module = Translator.from_run_dir(
-            args.run_dir, args.checkpoint or "best", decoding=decoding, jit_compile=args.jit_compile
+            args.run_dir, args.checkpoint or "best", decoding=decoding, jit_compile=args.jit_compile,
+            xla_max_batch=DEFAULT_XLA_MAX_BATCH if args.xla_max_batch is None else args.xla_max_batch,
         )
-    except (run_dir.RunDirError, ValueError) as error:  # ValueError: a --beam-size or --early-stopping it refuses.
+    except (run_dir.RunDirError, ValueError) as error:  # ValueError: a --beam-size it refuses.
         raise LoadError(error) from None
     return module, module.signatures()
 
@@ -433,9 +453,37 @@ def main(argv=None):
 def translate_all(translate, sentence_batches, args, output):
     """Translates and prints batch by batch; returns the last batch's outputs (`None` without input)."""
     translated, results = 0, None
+    progress = FileProgress(args.output) if output is not None else None
     for batch in sentence_batches:
         results = translate(tf.constant(batch, dtype=tf.string))
         print_results(results, translated, args, output)
         (output or sys.stdout).flush()  # Each batch is seen as soon as it is translated.
         translated += len(batch)
+        if progress is not None:
+            progress.update(translated)
+    if progress is not None:
+        progress.done(translated)
     return results
+
+
+class FileProgress:
+    """Progress lines on stderr while translations go to a file: every `PROGRESS_SECONDS`, and at the end."""
+
+    def __init__(self, path):
+        self._path = path
+        self._start = self._last = time.monotonic()
+
+    def update(self, translated):
+        now = time.monotonic()
+        if now - self._last >= PROGRESS_SECONDS:
+            self._last = now
+            print(f"{PROG}: {translated:,} sentences translated ({self._rate(translated, now)})", file=sys.stderr)
+
+    def done(self, translated):
+        now = time.monotonic()
+        print(f"{PROG}: translated {translated:,} sentences in {now - self._start:.1f} s "
+              f"({self._rate(translated, now)}) into {self._path}", file=sys.stderr)
+
+    def _rate(self, translated, now):
+        elapsed = now - self._start
+        return f"{translated / elapsed:.1f} sentences/s" if elapsed > 0 else "- sentences/s"
