@@ -116,16 +116,15 @@ def test_translate_takes_xla_max_batch_with_jit_compile_only(capsys, flags, mess
     assert raised.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "flags, expected", [([], None), (["--xla-max-batch", "32"], 32), (["--xla-max-batch", "0"], 0)]
-)
+@pytest.mark.parametrize("flags, expected", [([], None), (["--xla-max-batch", "32"], 32)])
 def test_translate_searches_batches_up_to_xla_max_batch_with_xla(run, multi30k_tokenizer, capsys, flags, expected):
     from keras_transformer.translator import DEFAULT_XLA_MAX_BATCH
 
     multi30k_tokenizer.save(run_dir.tokenizer_path(run))
     cli = load_translate_cli()
-    module, _ = cli.load_translator(cli.parse_args(["--run-dir", str(run), "--jit-compile", *flags, "A dog."]))
-    assert module.jit_compile and module.xla_max_batch == (DEFAULT_XLA_MAX_BATCH if expected is None else expected)
+    translator = cli.run_translator(cli.parse_args(["--run-dir", str(run), "--jit-compile", *flags, "A dog."]))
+    assert translator.jit_compile
+    assert translator.xla_max_batch == (DEFAULT_XLA_MAX_BATCH if expected is None else expected)
     with pytest.raises(SystemExit):
         cli.parse_args(["--help"])
     assert f"searched with XLA (default {DEFAULT_XLA_MAX_BATCH})" in " ".join(capsys.readouterr().out.split())

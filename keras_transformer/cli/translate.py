@@ -184,6 +184,12 @@ def load_translator(args):
     if args.saved_model:
         module = tf.saved_model.load(str(version_directory(args.saved_model)))
         return module, module.signatures
+    module = run_translator(args)
+    return module, module.signatures()
+
+
+def run_translator(args):
+    """The in-process `Translator` of --run-dir, with the decoding flags given replacing the run's."""
     # Imported here: a SavedModel needs TensorFlow only, not the model's code (nor Keras).
     from keras_transformer import run_dir
     from keras_transformer.translator import DEFAULT_XLA_MAX_BATCH, Translator
@@ -193,13 +199,12 @@ def load_translator(args):
         decoding = run_dir.decoding_settings(args.run_dir).replace(
             beam_size=args.beam_size, alpha=args.alpha, early_stopping=args.early_stopping, min_length=args.min_length
         )
-        module = Translator.from_run_dir(
+        return Translator.from_run_dir(
             args.run_dir, args.checkpoint or "best", decoding=decoding, jit_compile=args.jit_compile,
             xla_max_batch=DEFAULT_XLA_MAX_BATCH if args.xla_max_batch is None else args.xla_max_batch,
         )
     except (run_dir.RunDirError, ValueError) as error:  # ValueError: a --beam-size it refuses.
         raise LoadError(error) from None
-    return module, module.signatures()
 
 
 def translate_fn(signatures, args):
