@@ -36,6 +36,7 @@ import tensorflow as tf
 from keras_transformer.attention import MultiHeadAttention
 from keras_transformer.decoding_settings import (
     DEFAULT_MIN_LENGTH,
+    DEFAULT_XLA_MAX_BATCH,
     EARLY_STOPPING,
     MAX_BEAM_SIZE,
     DecodingSettings,
@@ -56,6 +57,7 @@ from keras_transformer.tokenizer import BOS_ID, EOS_ID
 
 __all__ = [
     "DEFAULT_MIN_LENGTH",
+    "DEFAULT_XLA_MAX_BATCH",
     "EARLY_STOPPING",
     "MAX_BEAM_SIZE",
     "NEG_INF",

@@ -51,7 +51,7 @@ import tensorflow as tf
 from keras_transformer import run_dir
 from keras_transformer import signatures as signature_table  # Not `signatures`: a method's name here.
 from keras_transformer.data import DEFAULT_MAX_LENGTH
-from keras_transformer.decoding import MAX_BEAM_SIZE, NEG_INF, DecodingSettings, beam_search
+from keras_transformer.decoding import DEFAULT_XLA_MAX_BATCH, MAX_BEAM_SIZE, NEG_INF, DecodingSettings, beam_search
 from keras_transformer.signatures import OPTIONS_SIGNATURE, SERVING_SIGNATURE
 from keras_transformer.tokenizer import EOS_ID, PAD_ID, SubwordTokenizer
 
@@ -68,9 +68,6 @@ __all__ = [
 DEFAULT_MAX_SOURCE_LENGTH = DEFAULT_MAX_LENGTH
 # Shortest source bucket of the XLA search; longer buckets double up to max_source_length.
 MIN_XLA_BUCKET = 16
-# Largest batch `translate` searches with XLA when compiled; larger ones take the graph-mode
-# search, which was as fast at 32 sentences (docs/performance.md) and compiles nothing.
-DEFAULT_XLA_MAX_BATCH = 16
 
 
 def _input_specs(signature):

@@ -16,6 +16,7 @@ import itertools
 import sys
 from pathlib import Path
 
+from keras_transformer.cli import xla_batch
 from keras_transformer.decoding_settings import EARLY_STOPPING, MAX_BEAM_SIZE, DecodingSettings
 
 # The command's name in its messages: kt-export when run so, else the repository's module.
@@ -36,7 +37,7 @@ def preset_alphas():
 
 
 def parse_args(argv=None):
-    from keras_transformer.translator import DEFAULT_MAX_SOURCE_LENGTH, DEFAULT_XLA_MAX_BATCH
+    from keras_transformer.translator import DEFAULT_MAX_SOURCE_LENGTH
 
     defaults = DecodingSettings()
     parser = argparse.ArgumentParser(
@@ -103,12 +104,7 @@ def parse_args(argv=None):
         help="Compile serving_default's beam search with XLA (faster per sentence on CPUs, see "
         "docs/performance.md; TF Serving then needs --xla_cpu_compilation_enabled=true on CPUs).",
     )
-    parser.add_argument(
-        "--xla-max-batch",
-        type=int,
-        help=f"With --jit-compile, the largest batch searched with XLA (default {DEFAULT_XLA_MAX_BATCH}); "
-        "larger batches take the graph-mode search, in which finished sentences leave the batch.",
-    )
+    xla_batch.add_flag(parser)
     parser.add_argument(
         "--early-stopping",
         choices=EARLY_STOPPING,
@@ -123,10 +119,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.min_length is not None and args.min_length < 0:
         parser.error("--min-length must be 0 or more.")
-    if args.xla_max_batch is not None and not args.jit_compile:
-        parser.error("--xla-max-batch needs --jit-compile.")
-    if args.xla_max_batch is not None and args.xla_max_batch < 0:
-        parser.error("--xla-max-batch must be 0 or more.")
+    xla_batch.check(parser, args)
     if args.format == "ctranslate2":
         given = [name for name in SAVEDMODEL_FLAGS if getattr(args, name) not in (None, False)]
         if given:
@@ -171,7 +164,6 @@ def main(argv=None):
         return export_ctranslate2(args)
     from keras_transformer.run_dir import RunDirError
     from keras_transformer.saved_model import ExportError, export_run
-    from keras_transformer.translator import DEFAULT_XLA_MAX_BATCH
 
     try:
         export_run(
@@ -184,7 +176,7 @@ def main(argv=None):
             decoding=decoding_settings(args),
             max_source_length=args.max_source_length,
             jit_compile=args.jit_compile,
-            xla_max_batch=DEFAULT_XLA_MAX_BATCH if args.xla_max_batch is None else args.xla_max_batch,
+            xla_max_batch=xla_batch.chosen(args),
         )
     except (ExportError, RunDirError, ValueError, OSError) as error:
         print(f"export failed: {error}", file=sys.stderr)

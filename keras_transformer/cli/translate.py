@@ -53,6 +53,7 @@ import tensorflow as tf
 import tensorflow_text  # noqa: F401  Registers the SentencePiece ops a SavedModel needs.
 
 from keras_transformer import signatures as signature_table
+from keras_transformer.cli import xla_batch
 from keras_transformer.decoding_settings import EARLY_STOPPING, DecodingSettings
 
 # The command's name in its messages: kt-translate when run so, else the repository's script.
@@ -116,13 +117,7 @@ def parse_args(argv=None):
         "batch shape compiles once). Not with --n-best or --max-length, which use the "
         "graph-mode options signature; an export made with --jit-compile uses XLA by itself.",
     )
-    parser.add_argument(
-        "--xla-max-batch",
-        type=int,
-        # The number, not the translator's constant: translating a SavedModel does not import it (tests compare).
-        help="With --jit-compile, the largest batch searched with XLA (default 16); "
-        "larger batches take the graph-mode search, in which finished sentences leave the batch.",
-    )
+    xla_batch.add_flag(parser)
     parser.add_argument("--scores", action="store_true", help="Print 'score<TAB>translation'.")
     parser.add_argument(
         "--batch-size",
@@ -154,10 +149,7 @@ def parse_args(argv=None):
         parser.error("--min-length must be 0 or more.")
     if args.jit_compile and (args.saved_model or args.n_best or args.max_length is not None):
         parser.error("--jit-compile goes with --run-dir, without --n-best and --max-length.")
-    if args.xla_max_batch is not None and not args.jit_compile:
-        parser.error("--xla-max-batch needs --jit-compile.")
-    if args.xla_max_batch is not None and args.xla_max_batch < 0:
-        parser.error("--xla-max-batch must be 0 or more.")
+    xla_batch.check(parser, args)
     if args.early_stopping is not None and args.saved_model:
         parser.error("--early-stopping goes with --run-dir; an export searches as it was exported.")
     if args.checkpoint is not None and args.saved_model:
@@ -192,7 +184,7 @@ def run_translator(args):
     """The in-process `Translator` of --run-dir, with the decoding flags given replacing the run's."""
     # Imported here: a SavedModel needs TensorFlow only, not the model's code (nor Keras).
     from keras_transformer import run_dir
-    from keras_transformer.translator import DEFAULT_XLA_MAX_BATCH, Translator
+    from keras_transformer.translator import Translator
 
     try:
         # Unset, the settings are the run's own.
@@ -201,7 +193,7 @@ def run_translator(args):
         )
         return Translator.from_run_dir(
             args.run_dir, args.checkpoint or "best", decoding=decoding, jit_compile=args.jit_compile,
-            xla_max_batch=DEFAULT_XLA_MAX_BATCH if args.xla_max_batch is None else args.xla_max_batch,
+            xla_max_batch=xla_batch.chosen(args),
         )
     except (run_dir.RunDirError, ValueError) as error:  # ValueError: a --beam-size it refuses.
         raise LoadError(error) from None
