@@ -155,7 +155,9 @@ def export_run(
 
 def save_translator(translator, directory):
     """Saves `translator` as a SavedModel with the `serving_default` and options signatures."""
-    tf.saved_model.save(translator, str(directory), signatures=translator.signatures())
+    # No custom gradients: a search is never differentiated, and tracing the LayerNorm's at its every use is slow.
+    options = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
+    tf.saved_model.save(translator, str(directory), signatures=translator.signatures(), options=options)
 
 
 def warmup_records(model_name, sentence_batches):

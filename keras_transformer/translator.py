@@ -185,11 +185,14 @@ class Translator(tf.Module):
         )
 
     def signatures(self):
-        """SavedModel signatures: `translate` as `serving_default`, and `translate_with_options`."""
-        return {
-            SERVING_SIGNATURE: self.translate.get_concrete_function(),
-            OPTIONS_SIGNATURE: self.translate_with_options.get_concrete_function(),
-        }
+        """SavedModel signatures: `translate` as `serving_default`, and `translate_with_options`.
+
+        The `tf.function`s themselves, each traced at its first call. A SavedModel must
+        be given these, not concrete functions traced before: `tf.saved_model.save`
+        traces the module's functions again (its cache key differs), and would store
+        both graphs.
+        """
+        return {SERVING_SIGNATURE: self.translate, OPTIONS_SIGNATURE: self.translate_with_options}
 
     @tf.function(input_signature=_input_specs(signature_table.SERVING_DEFAULT), autograph=False)
     def translate(self, text):

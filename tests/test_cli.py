@@ -130,6 +130,17 @@ def test_translate_searches_batches_up_to_xla_max_batch_with_xla(run, multi30k_t
     assert f"searched with XLA (default {DEFAULT_XLA_MAX_BATCH})" in " ".join(capsys.readouterr().out.split())
 
 
+def test_translate_with_a_run_traces_a_signature_when_it_first_calls_it(run, multi30k_tokenizer):
+    """Loading traces nothing: a one-sentence translation would pay for both searches' graphs."""
+    from keras_transformer.signatures import SIGNATURES
+
+    multi30k_tokenizer.save(run_dir.tokenizer_path(run))
+    cli = load_translate_cli()
+    _, signatures = cli.load_translator(cli.parse_args(["--run-dir", str(run), "A dog."]))
+    assert sorted(signatures) == sorted(SIGNATURES)
+    assert [signatures[name].experimental_get_tracing_count() for name in SIGNATURES] == [0, 0]
+
+
 def test_translate_refuses_an_early_stop_for_a_saved_model(capsys):
     with pytest.raises(SystemExit) as exit_info:
         load_translate_cli().parse_args(["--saved-model", "m", "--early-stopping", "exact", "A dog."])

@@ -45,6 +45,22 @@ def test_export_writes_a_checked_version_in_tf_servings_layout(exported, tiny_tr
         saved_model.export_run(tiny_translation_run, version_dir.parent, version=1)
 
 
+def _while_loops(graph_def):
+    """The number of while loops in `graph_def` and the functions of its library."""
+    nodes = [*graph_def.node, *(node for function in graph_def.library.function for node in function.node_def)]
+    return sum(node.op in ("While", "StatelessWhile") for node in nodes)
+
+
+def test_the_export_saves_each_signatures_search_once(exported, served):
+    """Every loop of the SavedModel is one of its signatures' (a retraced copy doubled the file and its load)."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel.FromString((exported[0] / "saved_model.pb").read_bytes())
+    signature_loops = sum(_while_loops(served[name].graph.as_graph_def()) for name in signatures.SIGNATURES)
+    assert signature_loops > 0
+    assert _while_loops(proto.meta_graphs[0].graph_def) == signature_loops
+
+
 def test_warmup_requests_are_prediction_logs_that_the_model_answers(exported, served):
     from tensorflow_serving.apis import prediction_log_pb2
 

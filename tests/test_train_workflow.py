@@ -47,17 +47,28 @@ def _write(path, config):
     return path
 
 
-@pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory, multi30k_dir):
-    """`--dataset files` flags of 2000 Multi30k training pairs and 4 validation and test pairs."""
+def _files_corpus(directory, multi30k_dir, sizes):
+    """`--dataset files` flags of the first `sizes[split]` Multi30k pairs of each split ("train", "val", "test")."""
     from keras_transformer.corpora import load_multi30k
 
     corpus = load_multi30k(multi30k_dir)
-    directory = tmp_path_factory.mktemp("corpus")
-    for split, pairs in (("train", corpus.train[:2000]), ("val", corpus.validation[:4]), ("test", corpus.test[:4])):
+    splits = {"train": corpus.train, "val": corpus.validation, "test": corpus.test}
+    for split, size in sizes.items():
         for side, lang in enumerate(("en", "de")):
-            (directory / f"{split}.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs))
+            (directory / f"{split}.{lang}").write_text("".join(pair[side] + "\n" for pair in splits[split][:size]))
     return ["--dataset", "files", "--data-dir", str(directory), "--source-lang", "en", "--target-lang", "de"]
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory, multi30k_dir):
+    """`--dataset files` flags of 2000 Multi30k training pairs and 4 validation and test pairs."""
+    return _files_corpus(tmp_path_factory.mktemp("corpus"), multi30k_dir, {"train": 2000, "val": 4, "test": 4})
+
+
+@pytest.fixture(scope="module")
+def training_corpus(tmp_path_factory, multi30k_dir):
+    """`--dataset files` flags of 2000 Multi30k training pairs alone: a run of it neither validates nor tests."""
+    return _files_corpus(tmp_path_factory.mktemp("corpus"), multi30k_dir, {"train": 2000})
 
 
 def _train(*flags, python=None):
@@ -74,15 +85,15 @@ def _train(*flags, python=None):
 
 
 @pytest.mark.slow
-def test_a_runs_config_json_given_back_trains_the_same_run(tmp_path, small_corpus):
+def test_a_runs_config_json_given_back_trains_the_same_run(tmp_path, training_corpus):
     """--config RUN/config.json --run-dir NEW: NEW's config.json is RUN's, model and replicas included."""
     run, new = tmp_path / "run", tmp_path / "new"
-    _train("--run-dir", str(run), "--preset", "tiny", *small_corpus, "--vocab-size", "1000", "--max-length", "64",
+    _train("--run-dir", str(run), "--preset", "tiny", *training_corpus, "--vocab-size", "1000", "--max-length", "64",
            "--train-steps", "3", "--seed", "3", "--warmup-steps", "50", "--label-smoothing", "0.2", "--alpha", "0.8",
            "--beam-size", "1", "--bleu-sentences", "0", "--dropout", "0.15", "--max-minutes", "30")
     given_back = run_dir.read_config(run)
     # The data directory is no setting of a run: each command gives it.
-    data_dir = small_corpus[small_corpus.index("--data-dir") + 1]
+    data_dir = training_corpus[training_corpus.index("--data-dir") + 1]
     config = run / run_dir.CONFIG_FILE
     _train("--config", str(config), "--run-dir", str(new), "--data-dir", data_dir)
     taken = run_dir.read_config(new)
