@@ -152,9 +152,15 @@ class Translator(tf.Module):
         self._output_kernel = tf.Variable(
             model.embedding.transposed_embeddings(), trainable=False, name="output_kernel"
         )
-        # An attribute, so that a SavedModel holds it with its XLA attribute.
+        # An attribute, so that a SavedModel holds it with its XLA attribute. Its input
+        # signature keys it as saving lists it: without one, saving traced it again.
         self._compiled_search = (
-            tf.function(self._search, jit_compile=True, autograph=False) if jit_compile else None
+            tf.function(
+                self._search, input_signature=[tf.TensorSpec([None, None], tf.int32)], jit_compile=True,
+                autograph=False,
+            )
+            if jit_compile
+            else None
         )
 
     @classmethod

@@ -51,14 +51,20 @@ def _while_loops(graph_def):
     return sum(node.op in ("While", "StatelessWhile") for node in nodes)
 
 
-def test_the_export_saves_each_signatures_search_once(exported, served):
+def _assert_each_search_saved_once(version_dir, loaded_signatures):
     """Every loop of the SavedModel is one of its signatures' (a retraced copy doubled the file and its load)."""
     from tensorflow.core.protobuf import saved_model_pb2
 
-    proto = saved_model_pb2.SavedModel.FromString((exported[0] / "saved_model.pb").read_bytes())
-    signature_loops = sum(_while_loops(served[name].graph.as_graph_def()) for name in signatures.SIGNATURES)
+    proto = saved_model_pb2.SavedModel.FromString((version_dir / "saved_model.pb").read_bytes())
+    signature_loops = sum(
+        _while_loops(loaded_signatures[name].graph.as_graph_def()) for name in signatures.SIGNATURES
+    )
     assert signature_loops > 0
     assert _while_loops(proto.meta_graphs[0].graph_def) == signature_loops
+
+
+def test_the_export_saves_each_signatures_search_once(exported, served):
+    _assert_each_search_saved_once(exported[0], served)
 
 
 def test_warmup_requests_are_prediction_logs_that_the_model_answers(exported, served):
@@ -354,7 +360,9 @@ def test_an_xla_export_translates_like_the_graph_translator(
         tiny_translation_run, tmp_path / MODEL_NAME, jit_compile=True, xla_max_batch=xla_max_batch,
         log=lambda line: None,
     )
-    served_xla = tf.saved_model.load(str(version_dir)).signatures["serving_default"]
+    loaded = tf.saved_model.load(str(version_dir)).signatures
+    _assert_each_search_saved_once(version_dir, loaded)  # The XLA search too.
+    served_xla = loaded["serving_default"]
     batch = [*sentences[:6], *BAD_INPUTS]
     expected = translate(translator.translate, batch)
     for size in (xla_max_batch, len(batch)):
