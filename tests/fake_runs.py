@@ -7,6 +7,7 @@ A plain module (tests/ is on sys.path), not fixtures in conftest.py: import what
   on a copy task of random ids, and the training losses its run logged.
 * `checkpointed_run`, `run_with_checkpoint`: a run directory (config.json and checkpoints)
   of an untrained tiny model, as training would leave it.
+* `files_corpus`, `multi30k_files`: `--dataset files` directories for `train.py`.
 * `PAIRS`, `REFERENCES`, `fake_translations`: Multi30k-like validation pairs, and
   translations that stand in for the checkpoints of a run, so that tests of what picks
   a checkpoint (averaging, the best checkpoint) decide which one "wins".
@@ -143,6 +144,30 @@ def fake_translations(monkeypatch, winner, wins=REFERENCES, loses=None):
     monkeypatch.setattr(run_dir, "load_model", lambda run, which="latest", *args, **kwargs: which)
     monkeypatch.setattr(run_dir, "load_tokenizer", lambda *args, **kwargs: None)
     monkeypatch.setattr(evaluation, "translate", translate)
+
+
+# --- Corpora for train.py ---------------------------------------------------------------------
+
+
+def files_corpus(directory, files):
+    """`--dataset files` flags (en -> de) of a new `directory` holding `files`, {file name: bytes}."""
+    directory.mkdir()
+    for name, text in files.items():
+        (directory / name).write_bytes(text)
+    return ["--dataset", "files", "--data-dir", str(directory), "--source-lang", "en", "--target-lang", "de"]
+
+
+def multi30k_files(directory, multi30k_dir, sizes):
+    """`files_corpus` of the first `sizes[split]` Multi30k pairs of each split named ("train", "val", "test")."""
+    from keras_transformer.corpora import load_multi30k
+
+    corpus = load_multi30k(multi30k_dir)
+    splits = {"train": corpus.train, "val": corpus.validation, "test": corpus.test}
+    return files_corpus(directory, {
+        f"{split}.{lang}": "".join(pair[side] + "\n" for pair in splits[split][:size]).encode("utf-8")
+        for split, size in sizes.items()
+        for side, lang in enumerate(("en", "de"))
+    })
 
 
 def local_tf_configs(count):

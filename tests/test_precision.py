@@ -11,7 +11,7 @@ import tensorflow as tf
 from keras_transformer import distribution, precision, run_dir
 from keras_transformer.cli import train as train_cli
 from keras_transformer.precision import Devices
-from fake_runs import ROOT, SUBPROCESS_TIMEOUT, local_tf_configs  # noqa: E402
+from fake_runs import ROOT, SUBPROCESS_TIMEOUT, local_tf_configs, multi30k_files  # noqa: E402
 
 AMX_XEON = frozenset({"avx2", "avx512f", "amx_tile", "amx_bf16", "avx512_bf16"})
 AVX512_BF16_EPYC = frozenset({"avx2", "avx512f", "avx512_bf16"})
@@ -123,15 +123,9 @@ def _train(cpu_flags, *flags):
 
 @pytest.mark.slow
 def test_a_run_logs_and_saves_what_auto_chose_and_keeps_it_on_another_machine(tmp_path, multi30k_dir):
-    from keras_transformer.corpora import load_multi30k
-
-    corpus, data = load_multi30k(multi30k_dir), tmp_path / "data"
-    data.mkdir()
-    for side, lang in enumerate(("en", "de")):
-        (data / f"train.{lang}").write_text("".join(pair[side] + "\n" for pair in corpus.train[:1000]))
+    corpus = multi30k_files(tmp_path / "data", multi30k_dir, {"train": 1000})
     run = tmp_path / "run"
-    flags = ["--run-dir", str(run), "--preset", "tiny", "--dataset", "files", "--data-dir", str(data),
-             "--source-lang", "en", "--target-lang", "de", "--vocab-size", "500", "--max-length", "64",
+    flags = ["--run-dir", str(run), "--preset", "tiny", *corpus, "--vocab-size", "500", "--max-length", "64",
              "--checkpoint-every", "2"]
     reason = "auto: this CPU computes bfloat16 natively (avx512_bf16): bf16 matmuls ran 1.80x as fast as float32"
     log = _train(AVX512_BF16_EPYC, *flags, "--train-steps", "2")

@@ -17,6 +17,8 @@ from fake_runs import (
     PAIRS,
     checkpointed_run,
     fake_translations,
+    files_corpus,
+    multi30k_files,
     run_command,
     run_with_checkpoint,
     validation_corpus,
@@ -303,17 +305,10 @@ def test_epochs_must_be_a_finite_positive_number(tmp_path, capsys, value):
 @pytest.mark.parametrize("length_flags", [["--train-steps", "5"], ["--epochs", "1"]], ids=["steps", "epochs"])
 def test_a_corpus_without_a_pair_short_enough_is_one_line(tmp_path, multi30k_dir, length_flags):
     """Every Multi30k sentence has more than 2 subword tokens, so --max-length 3 keeps no pair."""
-    from keras_transformer.corpora import load_multi30k
-
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    pairs = load_multi30k(multi30k_dir).train[:300]
-    for side, lang in enumerate(("en", "de")):
-        (data_dir / f"train.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs))
+    corpus = multi30k_files(tmp_path / "data", multi30k_dir, {"train": 300})
     run = tmp_path / "run"
     result = run_command([
-        sys.executable, "train.py", "--run-dir", str(run), "--preset", "tiny", "--dataset", "files",
-        "--data-dir", str(data_dir), "--source-lang", "en", "--target-lang", "de", "--vocab-size", "400",
+        sys.executable, "train.py", "--run-dir", str(run), "--preset", "tiny", *corpus, "--vocab-size", "400",
         "--max-length", "3", "--token-budget", "64", *length_flags,
     ])
     _assert_one_line_error(
@@ -322,16 +317,9 @@ def test_a_corpus_without_a_pair_short_enough_is_one_line(tmp_path, multi30k_dir
     )
 
 
-def _files_corpus(directory, files):
-    directory.mkdir()
-    for name, text in files.items():
-        (directory / name).write_bytes(text)
-    return ["--dataset", "files", "--data-dir", str(directory), "--source-lang", "en", "--target-lang", "de"]
-
-
 def test_a_training_text_without_a_usable_line_is_one_line(tmp_path, capsys):
     """Every line empty or not UTF-8: SentencePiece has nothing to learn from (its message ends in "] ")."""
-    flags = _files_corpus(tmp_path / "data", {"train.en": b"\n \n\xff\xfe\n", "train.de": b"\nzwei\ndrei\n"})
+    flags = files_corpus(tmp_path / "data", {"train.en": b"\n \n\xff\xfe\n", "train.de": b"\nzwei\ndrei\n"})
     exit_code = train_cli.main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", *flags])
     _assert_one_line_error(exit_code, capsys.readouterr().err, "training text has no sentence to learn a vocabulary")
 
@@ -339,7 +327,7 @@ def test_a_training_text_without_a_usable_line_is_one_line(tmp_path, capsys):
 def test_a_split_with_only_one_of_its_files_is_one_line(tmp_path, capsys):
     """val.en next to a misnamed German file: not a run without validation, but an error naming the file."""
     files = {"train.en": b"A dog.\n", "train.de": b"Ein Hund.\n", "val.en": b"A cat.\n", "valid.de": b"Eine Katze.\n"}
-    flags = _files_corpus(tmp_path / "data", files)
+    flags = files_corpus(tmp_path / "data", files)
     exit_code = train_cli.main(["--run-dir", str(tmp_path / "run"), "--preset", "tiny", *flags])
     _assert_one_line_error(exit_code, capsys.readouterr().err, "has val.en but not val.de")
     assert not (tmp_path / "run").exists()
@@ -398,18 +386,11 @@ def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir, le
 
     A length in epochs must give way to --train-steps: argparse refuses both.
     """
-    from keras_transformer.corpora import load_multi30k
-
-    corpus = load_multi30k(multi30k_dir)
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
     # No validation split: what the stop says does not depend on one, and the run skips the final validation.
-    for split, pairs in (("train", corpus.train[:3000]), ("test", corpus.test[:4])):
-        for side, lang in enumerate(("en", "de")):
-            (data_dir / f"{split}.{lang}").write_text("".join(pair[side] + "\n" for pair in pairs))
+    corpus = multi30k_files(tmp_path / "data", multi30k_dir, {"train": 3000, "test": 4})
     command = [
-        sys.executable, "train.py", "--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--dataset", "files",
-        "--data-dir", str(data_dir), "--source-lang", "en", "--target-lang", "de", "--vocab-size", "1000",
+        sys.executable, "train.py", "--run-dir", str(tmp_path / "run"), "--preset", "tiny", *corpus,
+        "--vocab-size", "1000",
         "--max-length", "64", "--max-minutes", "0.0001", "--bleu-sentences", "0", "--beam-size", "1",
     ]
     result = run_command([*command, *length])

@@ -21,7 +21,9 @@ from keras_transformer.cli import train as train_cli
 from keras_transformer.model import Transformer
 from keras_transformer.recipes import RECIPES
 from keras_transformer.trainer import Trainer, TrainingConfig
-from fake_runs import PAIRS, checkpointed_run, fake_translations, local_tf_configs, validation_corpus  # noqa: E402
+from fake_runs import (  # noqa: E402
+    PAIRS, checkpointed_run, fake_translations, local_tf_configs, multi30k_files, validation_corpus,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT = 240
@@ -47,28 +49,17 @@ def _write(path, config):
     return path
 
 
-def _files_corpus(directory, multi30k_dir, sizes):
-    """`--dataset files` flags of the first `sizes[split]` Multi30k pairs of each split ("train", "val", "test")."""
-    from keras_transformer.corpora import load_multi30k
-
-    corpus = load_multi30k(multi30k_dir)
-    splits = {"train": corpus.train, "val": corpus.validation, "test": corpus.test}
-    for split, size in sizes.items():
-        for side, lang in enumerate(("en", "de")):
-            (directory / f"{split}.{lang}").write_text("".join(pair[side] + "\n" for pair in splits[split][:size]))
-    return ["--dataset", "files", "--data-dir", str(directory), "--source-lang", "en", "--target-lang", "de"]
-
-
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory, multi30k_dir):
     """`--dataset files` flags of 2000 Multi30k training pairs and 4 validation and test pairs."""
-    return _files_corpus(tmp_path_factory.mktemp("corpus"), multi30k_dir, {"train": 2000, "val": 4, "test": 4})
+    sizes = {"train": 2000, "val": 4, "test": 4}
+    return multi30k_files(tmp_path_factory.mktemp("corpus") / "data", multi30k_dir, sizes)
 
 
 @pytest.fixture(scope="module")
 def training_corpus(tmp_path_factory, multi30k_dir):
     """`--dataset files` flags of 2000 Multi30k training pairs alone: a run of it neither validates nor tests."""
-    return _files_corpus(tmp_path_factory.mktemp("corpus"), multi30k_dir, {"train": 2000})
+    return multi30k_files(tmp_path_factory.mktemp("corpus") / "data", multi30k_dir, {"train": 2000})
 
 
 def _train(*flags, python=None):
