@@ -9,6 +9,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from made_once import made_once  # noqa: E402
+
 # ---------------------------------------------------------------------------
 # Data and tokenizer (corpora.py, tokenizer.py, data.py)
 # ---------------------------------------------------------------------------
@@ -64,9 +66,15 @@ def tiny_translation_run(tmp_path_factory, multi30k_dir, multi30k_tokenizer) -> 
     """A run directory holding a "tiny" Transformer trained on 3000 Multi30k EN->DE pairs.
 
     300 steps without dropout (about 25 s on 2 cores): the translations are poor, but
-    they end with EOS after a sentence's worth of tokens, as real ones do. Treat it as
-    read-only.
+    they end with EOS after a sentence's worth of tokens, as real ones do. Trained once
+    per test run (`made_once`); treat it as read-only.
     """
+    return made_once(
+        tmp_path_factory, "tiny_translation_run", lambda run: _train_tiny_run(run, multi30k_dir, multi30k_tokenizer)
+    )
+
+
+def _train_tiny_run(run, multi30k_dir, multi30k_tokenizer):
     import keras
     import numpy as np
     import tensorflow as tf
@@ -98,7 +106,6 @@ def tiny_translation_run(tmp_path_factory, multi30k_dir, multi30k_tokenizer) -> 
     for inputs, labels in batches.repeat().take(_TINY_RUN_STEPS):
         train_step(inputs, labels)
 
-    run = tmp_path_factory.mktemp("tiny_translation_run")
     run_dir.write_config(
         run,
         {"model": run_dir.model_config(model), "data": {"corpus": "multi30k", "max_length": 32}},
@@ -108,4 +115,3 @@ def tiny_translation_run(tmp_path_factory, multi30k_dir, multi30k_tokenizer) -> 
     restored = run_dir.load_model(run)
     lost = [v.path for v, w in zip(model.weights, restored.weights) if not np.array_equal(v, w)]
     assert not lost, f"the checkpoint did not restore {len(lost)} weights, e.g. {lost[:3]}"
-    return run

@@ -1,7 +1,8 @@
 """The tiny run exported as a SavedModel, and calls of its signatures: shared by test_export.py and test_serving.py.
 
 Both load it as a plugin (`pytest_plugins = ["export_fixtures"]`), so that its fixtures are
-session-scoped and each export is made once; the other names are imported as usual.
+session-scoped; each export is made once per test run (`made_once`). The other names
+are imported as usual.
 
 * `sentences`: 16 Multi30k validation sources.
 * `exported`, `served`: the tiny run exported (self-checked) and its reloaded signatures.
@@ -19,9 +20,12 @@ import tensorflow_text  # noqa: F401
 
 from keras_transformer import saved_model
 from keras_transformer.translator import Translator
+from made_once import made_once
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "transformer"
+# Beside the export's base directory, which holds its versions only.
+_EXPORT_LOG = "export_log.txt"
 
 LONG_TEXT = "word " * 2000  # 10000 characters, far more tokens than the input limit
 BAD_INPUTS = [
@@ -44,12 +48,16 @@ def sentences(multi30k_dir):
 @pytest.fixture(scope="session")
 def exported(tiny_translation_run, sentences, tmp_path_factory):
     """`(version directory, log lines)` of the tiny run exported under models/transformer."""
-    base = tmp_path_factory.mktemp("models") / MODEL_NAME
-    lines = []
-    version_dir = saved_model.export_run(
-        tiny_translation_run, base, check_sentences=sentences[:4], log=lines.append
-    )
-    return version_dir, lines
+
+    def export(directory):
+        lines = []
+        saved_model.export_run(
+            tiny_translation_run, directory / MODEL_NAME, check_sentences=sentences[:4], log=lines.append
+        )
+        (directory / _EXPORT_LOG).write_text("\n".join(lines))
+
+    directory = made_once(tmp_path_factory, "exported", export)
+    return directory / MODEL_NAME / "1", (directory / _EXPORT_LOG).read_text().splitlines()
 
 
 @pytest.fixture(scope="session")
@@ -69,10 +77,11 @@ def served_beam_2(tiny_translation_run, tmp_path_factory):
     alpha 1.0 and the "current_length" early stop (the repository's `python -m export` calls the same `main`)."""
     from export.__main__ import main
 
-    base = tmp_path_factory.mktemp("models") / MODEL_NAME
-    flags = ["--beam-size", "2", "--alpha", "1.0", "--early-stopping", "current_length"]
-    assert main(["--run-dir", str(tiny_translation_run), "--out", str(base), *flags]) == 0
-    version_dir = base / "1"
+    def export(directory):
+        flags = ["--beam-size", "2", "--alpha", "1.0", "--early-stopping", "current_length"]
+        assert main(["--run-dir", str(tiny_translation_run), "--out", str(directory / MODEL_NAME), *flags]) == 0
+
+    version_dir = made_once(tmp_path_factory, "served_beam_2", export) / MODEL_NAME / "1"
     module = tf.saved_model.load(str(version_dir))
     return version_dir, module, module.signatures
 
