@@ -498,15 +498,19 @@ class Trainer:
     def _evaluate(self, step, writer):
         """Validates `step` and keeps the best checkpoint; returns whether patience ran out, agreed by all workers.
 
-        Every worker calls it: the chief decides, the others follow (see `_agreed`).
+        Every worker calls it: the chief decides, the others follow (see `_agreed`). The
+        metrics are written last, once a new best is saved: a step counts as validated
+        (`validated_steps`) only then, so a run interrupted in between validates it again
+        when it resumes instead of losing its best weights.
         """
         metrics = self._validate(step, writer)
         if self._agreed(self._best.record(step, metrics)):
             self._best.save(step)
+        self._write_metrics(step, writer, metrics)
         return self._agreed(self._best.out_of_patience())
 
     def _validate(self, step, writer):
-        """Runs `validate_fn` on the chief, logs its metrics and writes them as summaries; returns them.
+        """Runs `validate_fn` on the chief (its images go to `writer`) and logs its metrics; returns them.
 
         Returns None on the other workers, and without a `validate_fn`.
         """
@@ -515,12 +519,19 @@ class Trainer:
         started = time.monotonic()
         with writer.as_default(step=step):
             metrics = self.validate_fn(self.model, step)
-            for name, value in metrics.items():
-                tf.summary.scalar(name, value)
-        writer.flush()
         self._validation_seconds = time.monotonic() - started
         logger.info("validation at step %d | %s", step, " | ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
         return metrics
+
+    @staticmethod
+    def _write_metrics(step, writer, metrics):
+        """Writes the validation metrics of `step` as summaries (none where nothing was validated)."""
+        if metrics is None:
+            return
+        with writer.as_default(step=step):
+            for name, value in metrics.items():
+                tf.summary.scalar(name, value)
+        writer.flush()
 
     def _summary_writers(self):
         if not self.is_chief:

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 from keras_transformer import distribution, run_dir, run_settings, training_run
+from keras_transformer.best_checkpoint import BestCheckpoint
 from keras_transformer.cli import train as train_cli
 from keras_transformer.model import Transformer
 from keras_transformer.recipes import RECIPES
@@ -364,6 +365,34 @@ def test_patience_counts_on_across_a_resume(tmp_path):
     assert (again.start_step, again.step, again.out_of_patience) == (4, 4, True)
     assert sorted(validated) == [4]
     assert run_dir.best_checkpoint(run) == (str(run / run_dir.BEST_DIR / "ckpt-2"), 12.0)
+
+
+def test_a_run_interrupted_while_saving_a_new_best_validates_that_step_again(tmp_path, monkeypatch):
+    """Ctrl-C in the save of step 2's best BLEU: the resumed run validates step 2 again and keeps its weights."""
+    run = tmp_path / "run"
+    bleu = {1: 10.0, 2: 12.0, 3: 11.0, 4: 11.0}
+    save = BestCheckpoint.save
+
+    def interrupted_at_step_2(self, step):
+        if step == 2:
+            raise KeyboardInterrupt
+        save(self, step)
+
+    monkeypatch.setattr(BestCheckpoint, "save", interrupted_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(run, _bleu_validator(bleu), train_steps=4, eval_every=1, patience=2).fit(_synthetic_pairs_dataset)
+    assert run_dir.best_checkpoint(run) == (str(run / run_dir.BEST_DIR / "ckpt-1"), 10.0)
+    monkeypatch.setattr(BestCheckpoint, "save", save)
+
+    validated = {}
+    trainer = _trainer(run, _bleu_validator(bleu, validated), eval_every=1, patience=2)
+    run_dir.write_config(run, {"model": run_dir.model_config(trainer.model)})
+    resumed = trainer.fit(_synthetic_pairs_dataset)
+    assert sorted(validated) == [2, 3, 4]
+    assert (resumed.step, resumed.out_of_patience) == (4, True)  # Steps 3 and 4 did not beat step 2.
+    assert run_dir.best_checkpoint(run) == (str(run / run_dir.BEST_DIR / "ckpt-2"), 12.0)
+    for loaded, saved in zip(run_dir.load_model(run, "best").trainable_variables, validated[2]):
+        np.testing.assert_array_equal(loaded.numpy(), saved)
 
 
 def test_a_run_without_periodic_validation_keeps_no_best_checkpoint(tmp_path):
