@@ -1,5 +1,6 @@
 """Errors of the translate.py and `python -m export` command lines: one line each, no traceback."""
 
+import io
 import os
 
 import pytest
@@ -162,11 +163,16 @@ def test_translate_options_out_of_range_are_usage_errors(tmp_path, capsys, flags
     assert raised.value.code == 2 and message in capsys.readouterr().err
 
 
+def _sentences(cli, args):
+    """The sentences translate.py would translate, as UTF-8 bytes."""
+    return [sentence for batch in cli.input_batches(args, cli.open_input(args)) for sentence in batch]
+
+
 def test_translate_passes_command_line_bytes_that_are_not_utf8_on_as_they_are():
     cli = load_translate_cli()
     sentence = os.fsdecode(b"caf\xe9 ok")  # how Python hands such an argument to sys.argv
     args = cli.parse_args(["--saved-model", "m", sentence])
-    assert cli.read_sentences(args, cli.open_input(args)) == [b"caf\xe9 ok"]
+    assert _sentences(cli, args) == [b"caf\xe9 ok"]
 
 
 def test_translate_reads_input_lines_as_the_corpus_reader_does(tmp_path):
@@ -176,7 +182,7 @@ def test_translate_reads_input_lines_as_the_corpus_reader_does(tmp_path):
     path.write_bytes(b"\xef\xbb\xbfA dog.\r\nTwo\rcats.\r\n\r\nbad \xff\n")
     args = cli.parse_args(["--saved-model", "m", "--input", str(path)])
 
-    assert cli.read_sentences(args, cli.open_input(args)) == [b"A dog.", b"Two\rcats.", b"", b"bad \xff"]
+    assert _sentences(cli, args) == [b"A dog.", b"Two\rcats.", b"", b"bad \xff"]
 
 
 def test_translate_rejects_a_checkpoint_with_a_saved_model(tmp_path, capsys):
@@ -197,12 +203,52 @@ def test_translate_with_a_saved_model_directory_that_holds_none(tmp_path, capsys
     _assert_translate_error(exit_code, capsys.readouterr().err, "the highest version in")
 
 
-def test_translate_loads_the_model_before_it_reads_stdin(tmp_path, capsys, monkeypatch):
-    """Whoever types sentences should not learn of a wrong model path only after Ctrl-D."""
-    cli = load_translate_cli()
-    monkeypatch.setattr(cli, "read_sentences", lambda *args: pytest.fail("read stdin first"))
-    exit_code = cli.main(["--saved-model", str(tmp_path / "nowhere")])
+def test_translate_leaves_its_output_file_as_it_was_when_the_model_does_not_load(tmp_path, capsys):
+    output = tmp_path / "translations.de"
+    output.write_text("earlier translations\n")
+    flags = ["--saved-model", str(tmp_path / "nowhere"), "--output", str(output)]
+    exit_code = load_translate_cli().main([*flags, "A dog."])
     _assert_translate_error(exit_code, capsys.readouterr().err, "holds neither a saved_model.pb")
+    assert output.read_text() == "earlier translations\n"
+
+
+def test_translate_refuses_to_write_its_output_over_the_file_on_stdin(tmp_path, capsys, monkeypatch):
+    cli = load_translate_cli()
+    monkeypatch.setattr(cli, "load_translator", lambda args: pytest.fail("loaded the model first"))
+    path = tmp_path / "sentences.en"
+    path.write_text("A dog.\n")
+    with open(path, "rb") as stdin:  # translate.py --output sentences.en < sentences.en
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(stdin))
+        exit_code = cli.main(["--saved-model", "m", "--output", str(path)])
+    message = f"cannot write --output {path}: it is the file on stdin"
+    _assert_translate_error(exit_code, capsys.readouterr().err, message)
+    assert path.read_text() == "A dog.\n"
+
+
+def test_translate_with_a_damaged_saved_model(tmp_path, capsys):
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "saved_model.pb").write_bytes(b"not a protobuf")
+    exit_code = load_translate_cli().main(["--saved-model", str(tmp_path), "A dog."])
+    _assert_translate_error(exit_code, capsys.readouterr().err, f"cannot load the SavedModel in {tmp_path / '1'}: ")
+
+
+def test_ctrl_c_ends_translate_in_one_line_and_keeps_what_it_wrote(tmp_path, capsys, monkeypatch):
+    cli = load_translate_cli()
+    outputs = iter([{"translation": tf.constant([b"Ein Hund."])}, KeyboardInterrupt()])
+
+    def translate(text):
+        output = next(outputs)
+        if isinstance(output, BaseException):
+            raise output
+        return output
+
+    monkeypatch.setattr(cli, "load_translator", lambda args: (None, None))
+    monkeypatch.setattr(cli, "translate_fn", lambda signatures, args: translate)
+    output = tmp_path / "translations.de"
+    exit_code = cli.main(["--run-dir", "r", "--batch-size", "1", "--output", str(output), "A dog.", "A cat."])
+    assert exit_code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "translate.py: interrupted"
+    assert output.read_text() == "Ein Hund.\n"
 
 
 @pytest.mark.parametrize(
@@ -221,6 +267,22 @@ def test_export_refuses_what_would_publish_a_model_that_cannot_serve(
     exit_code = main(["--run-dir", str(run), "--out", str(tmp_path / "models" / "t"), *flags])
     assert exit_code == 1 and capsys.readouterr().err.strip() == message
     assert not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--check-file", "val.en", "--check-lines", "-1"], "--check-lines must be 0 or more."),
+        (["--check-lines", "5"], "--check-lines goes with --check-file."),
+        (["--beam-size", "0"], "--beam-size must be at least 1."),
+    ],
+)
+def test_export_flags_out_of_range_are_usage_errors(capsys, flags, message):
+    from keras_transformer.cli import export
+
+    with pytest.raises(SystemExit) as raised:
+        export.parse_args(["--run-dir", "r", "--out", "o", *flags])
+    assert raised.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_export_without_a_vocabulary(run, tmp_path, capsys):
@@ -259,6 +321,19 @@ def test_translate_loads_the_model_before_it_waits_for_input(tmp_path, capsys, m
     monkeypatch.setattr(cli, "input_batches", lambda *args: pytest.fail("read the input first"))
     exit_code = cli.main(["--saved-model", str(tmp_path / "nowhere")])
     _assert_translate_error(exit_code, capsys.readouterr().err, "holds neither a saved_model.pb")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--input", "sentences.en", "A dog."], "give sentences as arguments or --input, not both"),
+        (["--scores", "--n-best", "A dog."], "--scores or --n-best"),
+    ],
+)
+def test_translate_refuses_flags_that_would_be_ignored(capsys, flags, message):
+    with pytest.raises(SystemExit) as raised:
+        load_translate_cli().parse_args(["--saved-model", "m", *flags])
+    assert raised.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

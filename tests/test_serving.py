@@ -10,6 +10,7 @@ import contextlib
 import http.server
 import io
 import json
+import os
 import re
 import socket
 import subprocess
@@ -145,11 +146,50 @@ def test_client_cli_sends_batches_of_clean_stdin_lines(rest_server, translator, 
     assert capsys.readouterr().out.splitlines() == [t.decode() for t in expected]
 
 
+def test_client_cli_sends_a_line_written_to_stdin_before_stdin_closes(capsys, monkeypatch):
+    """The next line is written only once the first is answered: a client that waited for the end would hang."""
+    read_end, write_end = os.pipe()
+    writer = os.fdopen(write_end, "wb", buffering=0)
+    requests = []
+
+    def answer(server, model, batch, **kwargs):
+        requests.append(list(batch))
+        if len(requests) == 1:
+            writer.write(b"A cat.\n")
+            writer.close()
+        return [{"translation": f"<{text}>", "score": 0.0} for text in batch]
+
+    monkeypatch.setattr(serving_client, "translate_rest", answer)
+    writer.write(b"A dog.\n")
+    unblock = threading.Timer(60, writer.close)  # Ends stdin for a client that waits for it (and fails the test).
+    unblock.start()
+    try:
+        with os.fdopen(read_end, "rb") as reader:
+            monkeypatch.setattr("sys.stdin", io.TextIOWrapper(reader))
+            assert client_cli.main(["--rest", "http://localhost:8501", "--model", MODEL_NAME]) == 0
+    finally:
+        unblock.cancel()
+    assert requests == [["A dog."], ["A cat."]]
+    assert capsys.readouterr().out.splitlines() == ["<A dog.>", "<A cat.>"]
+
+
+def test_ctrl_c_ends_the_client_in_one_line(capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serving_client, "translate_rest", interrupted)
+    assert client_cli.main(["--rest", "http://localhost:8501", "A dog."]) == 130
+    assert capsys.readouterr().err == "python -m export.client: interrupted\n"
+
+
 # What the REST client (and `python -m export.client`) loads of the package: no module that needs more than Python.
 STANDARD_LIBRARY_ONLY = {
     "keras_transformer",
     "keras_transformer.cli",
     "keras_transformer.cli.client",
+    "keras_transformer.cli.decoding_flags",
+    "keras_transformer.cli.interrupts",
+    "keras_transformer.cli.line_input",
     "keras_transformer.decoding_settings",
     "keras_transformer.serving_client",
     "keras_transformer.signatures",
@@ -180,7 +220,32 @@ def test_client_cli_reports_a_beam_size_the_server_refuses(rest_server, sentence
     assert client_cli.main(["--rest", rest_server, "--model", MODEL_NAME, "--beam-size", "17", sentences[0]]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith("translation failed: 400 from ") and "beam_size is at most 16" in captured.err
+    assert captured.err.startswith("python -m export.client: error: translation failed: 400 from ")
+    assert "beam_size is at most 16" in captured.err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--beam-size", "0"], "--beam-size must be at least 1."),
+        (["--alpha", "-2"], "--alpha must be 0 or more."),
+        (["--max-length", "-3"], "--max-length must be at least 1."),
+        (["--scores", "--n-best"], "--scores or --n-best"),
+    ],
+)
+def test_client_cli_refuses_options_that_the_server_would_read_as_unset(capsys, flags, message):
+    """The signature reads 0 and negative options as "the model's own": a typo must not quietly become that."""
+    with pytest.raises(SystemExit) as raised:
+        client_cli.parse_args(["--rest", "http://localhost:8501", *flags, "A dog."])
+    assert raised.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_client_cli_says_what_grpc_needs_when_it_is_not_installed(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorflow_serving.apis", None)  # As when the package is not installed.
+    assert client_cli.main(["--grpc", "localhost:8500", "A dog."]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("python -m export.client: error: --grpc needs tensorflow-serving-api")
+    assert 'pip install -e ".[serving]"' in line
 
 
 def test_client_cli_n_best_uses_the_served_models_own_beam_size(served_beam_2, sentences, capsys):

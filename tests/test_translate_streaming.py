@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
+from keras_transformer.cli import line_input
 from keras_transformer.translator import Translator
 from cli_modules import load_translate_cli  # noqa: E402
 
@@ -133,11 +134,10 @@ def test_translating_into_a_file_reports_progress_on_stderr(tiny_translation_run
 
 def test_a_batch_holds_the_lines_that_have_arrived():
     """A pipe's lines are batched as they come: no waiting for --batch-size lines or for the end."""
-    cli = load_translate_cli()
     read_end, write_end = os.pipe()
     with os.fdopen(read_end, "rb") as reader, os.fdopen(write_end, "wb", buffering=0) as writer:
-        lines = cli.LineReader(reader)
-        batches = cli.arriving_batches(lines, 32)
+        lines = line_input.LineReader(reader)
+        batches = line_input.arriving_batches(lines, 32)
         writer.write(b"\xef\xbb\xbfA dog.\r\nTwo\rcats.\n")
         assert next(batches) == [b"A dog.", b"Two\rcats."]
         writer.write(b"\n")
@@ -151,17 +151,38 @@ def test_a_batch_holds_the_lines_that_have_arrived():
 
 
 def test_batches_of_a_file_are_full():
-    cli = load_translate_cli()
     stream = io.BytesIO(b"".join(b"line %d\n" % index for index in range(70)))
-    batches = list(cli.arriving_batches(cli.LineReader(stream), 32))
+    batches = list(line_input.arriving_batches(line_input.LineReader(stream), 32))
     assert [len(batch) for batch in batches] == [32, 32, 6]
     assert [line for batch in batches for line in batch] == [b"line %d" % index for index in range(70)]
 
 
 def test_a_large_input_is_read_a_chunk_at_a_time():
     """The first batch is translated after one read, not after the whole input is in memory."""
-    cli = load_translate_cli()
     stream = io.BytesIO(b"A dog runs on the grass.\n" * 400_000)  # 10 MB
-    first = next(cli.arriving_batches(cli.LineReader(stream), 32))
+    first = next(line_input.arriving_batches(line_input.LineReader(stream), 32))
     assert first == [b"A dog runs on the grass."] * 32
-    assert stream.tell() <= cli.READ_CHUNK_BYTES
+    assert stream.tell() <= line_input.READ_CHUNK_BYTES
+
+
+@pytest.mark.slow
+def test_a_reader_that_leaves_early_ends_translate_py_quietly(tiny_translation_run, sources, tmp_path):
+    """`translate.py ... | head -1`: the lines after the first have nowhere to go; no traceback."""
+    input_path, stderr_path = tmp_path / "input.en", tmp_path / "stderr.txt"
+    input_path.write_text("\n".join(sources[:20]) + "\n")
+    with open(input_path, "rb") as stdin, open(stderr_path, "wb") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, str(TRANSLATE_PY), "--run-dir", str(tiny_translation_run), "--batch-size", "1"],
+            stdin=stdin, stdout=subprocess.PIPE, stderr=stderr, cwd=REPO,
+        )
+    try:
+        assert process.stdout.readline().strip()
+        process.stdout.close()  # As `head -1` does after its line.
+        assert process.wait(timeout=ANSWER_TIMEOUT_SECONDS) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    stderr = stderr_path.read_text()
+    # Nor Python's "Exception ignored ... BrokenPipeError" when it flushes stdout at exit.
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr[-2000:]

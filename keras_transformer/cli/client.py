@@ -6,18 +6,19 @@
 Without options, requests go to `serving_default`; with any of `--beam-size`, `--alpha`,
 `--max-length`, `--min-length` or `--n-best`, to `translate_with_options`, the options
 not given being the served model's own (`keras_transformer.signatures`). The command
-sends `--batch-size` sentences per request (default 32: a whole file in one request is
-slower, see docs/performance.md) and prints each batch's translations as they come. Over
-REST it needs the standard library only (`keras_transformer.serving_client`).
+sends at most `--batch-size` sentences per request (default 32: a whole file in one
+request is slower, see docs/performance.md), reading stdin as it arrives as
+`translate.py` does, and prints each batch's translations as they come. Over REST it
+needs the standard library only (`keras_transformer.serving_client`).
 """
 
 import argparse
-import codecs
 import os
 import sys
 from pathlib import Path
 
 from keras_transformer import serving_client, signatures
+from keras_transformer.cli import decoding_flags, interrupts, line_input
 
 # The command's name in its messages: kt-client when run so, else the repository's module.
 PROG = Path(sys.argv[0]).name if Path(sys.argv[0]).name == "kt-client" else "python -m export.client"
@@ -65,24 +66,27 @@ def parse_args(argv=None):
         parser.error("--batch-size must be at least 1.")
     if args.timeout <= 0:
         parser.error("--timeout must be more than 0.")
-    if args.min_length is not None and args.min_length < 0:
-        parser.error("--min-length must be 0 or more.")
+    decoding_flags.check(parser, args)
+    if args.scores and args.n_best:
+        parser.error("--scores or --n-best: --n-best prints every hypothesis with its score.")
     return args
 
 
-def read_sentences(args):
-    """The sentences of the arguments or of stdin's lines, as valid str.
+def sentence_batches(args):
+    """Batches of at most `--batch-size` sentences as valid str: the arguments', else stdin's lines as they arrive.
 
-    Bytes that are not UTF-8 become U+FFFD here: JSON and protobuf strings cannot carry
-    them (the model would read them as U+FFFD too). A line's "\\r\\n" and a byte order
-    mark at the start of the input are not text.
+    Stdin is read as `translate.py` reads it (`line_input`): a typed line is sent at
+    once, a file in full batches, never whole. Bytes that are not UTF-8 become U+FFFD
+    here: JSON and protobuf strings cannot carry them (the model would read them as
+    U+FFFD too).
     """
-    if args.sentences:
-        return [os.fsencode(sentence).decode("utf-8", errors="replace") for sentence in args.sentences]
-    lines = sys.stdin.buffer.read().removeprefix(codecs.BOM_UTF8).split(b"\n")  # "\n" only: lines stay aligned.
-    if lines[-1] == b"":
-        lines.pop()
-    return [line.rstrip(b"\r").decode("utf-8", errors="replace") for line in lines]
+    if not args.sentences:
+        for batch in line_input.arriving_batches(line_input.LineReader(sys.stdin.buffer), args.batch_size):
+            yield [line.decode("utf-8", errors="replace") for line in batch]
+        return
+    sentences = [os.fsencode(sentence).decode("utf-8", errors="replace") for sentence in args.sentences]
+    for start in range(0, len(sentences), args.batch_size):
+        yield sentences[start : start + args.batch_size]
 
 
 def request_options(args):
@@ -97,26 +101,49 @@ def request_options(args):
 
 
 def main(argv=None):
-    """Translates as the command line `argv` asks (default: `sys.argv[1:]`); returns the exit code."""
+    """Translates as the command line `argv` asks (default: `sys.argv[1:]`); returns the exit code.
+
+    1 when the server fails a request (the translations before it are printed), 2 for
+    bad input, 130 after Ctrl-C.
+    """
     args = parse_args(argv)
-    sentences = read_sentences(args)
+    if args.grpc and (missing := _missing_grpc_package()):
+        print(f'{PROG}: error: --grpc needs tensorflow-serving-api (pip install -e ".[serving]"): {missing}',
+              file=sys.stderr)
+        return 2
+    return interrupts.exit_code_of(lambda: _translate(args), PROG)
+
+
+def _translate(args):
     translate = serving_client.translate_rest if args.rest else serving_client.translate_grpc
-    for start in range(0, len(sentences), args.batch_size):
+    sent = 0
+    for batch in sentence_batches(args):
         try:
             results = translate(
                 args.rest or args.grpc,
                 args.model,
-                sentences[start : start + args.batch_size],
+                batch,
                 options=request_options(args),
                 version=args.version,
                 timeout=args.timeout,
             )
         except serving_client.ServingError as error:
-            print(f"translation failed: {error}", file=sys.stderr)
+            print(f"{PROG}: error: translation failed: {error}", file=sys.stderr)
             return 1
-        print_results(results, start, args)
+        print_results(results, sent, args)
         sys.stdout.flush()  # Each batch as it comes: a long input shows its progress.
+        sent += len(batch)
     return 0
+
+
+def _missing_grpc_package():
+    """The import error of the gRPC client's packages, else `None`."""
+    try:
+        import grpc  # noqa: F401
+        from tensorflow_serving.apis import prediction_service_pb2_grpc  # noqa: F401
+    except ImportError as error:
+        return str(error)
+    return None
 
 
 def print_results(results, first_index, args):

@@ -16,12 +16,14 @@ import itertools
 import sys
 from pathlib import Path
 
-from keras_transformer.cli import xla_batch
+from keras_transformer.cli import decoding_flags, xla_batch
 from keras_transformer.decoding_settings import EARLY_STOPPING, MAX_BEAM_SIZE, DecodingSettings
 
 # The command's name in its messages: kt-export when run so, else the repository's module.
 PROG = Path(sys.argv[0]).name if Path(sys.argv[0]).name == "kt-export" else "python -m export"
 FORMATS = ("savedmodel", "ctranslate2")
+# Lines of --check-file the export is checked on, unless --check-lines says otherwise.
+DEFAULT_CHECK_LINES = 16
 # The flags of --format savedmodel alone (their defaults are None or False).
 SAVEDMODEL_FLAGS = (
     "version", "model_name", "beam_size", "alpha", "max_extra_length", "min_length", "early_stopping", "jit_compile",
@@ -115,10 +117,17 @@ def parse_args(argv=None):
     parser.add_argument(
         "--check-file", help="Also check the export on this file's sentences (one per line)."
     )
-    parser.add_argument("--check-lines", type=int, default=16, help="Lines of --check-file to use.")
+    parser.add_argument(
+        "--check-lines", type=int, help=f"Lines of --check-file to use (default {DEFAULT_CHECK_LINES})."
+    )
     args = parser.parse_args(argv)
-    if args.min_length is not None and args.min_length < 0:
-        parser.error("--min-length must be 0 or more.")
+    decoding_flags.check(parser, args)
+    if args.check_lines is not None and args.check_file is None:
+        parser.error("--check-lines goes with --check-file.")
+    if args.check_lines is not None and args.check_lines < 0:
+        parser.error("--check-lines must be 0 or more.")
+    if args.check_lines is None:
+        args.check_lines = DEFAULT_CHECK_LINES
     xla_batch.check(parser, args)
     if args.format == "ctranslate2":
         given = [name for name in SAVEDMODEL_FLAGS if getattr(args, name) not in (None, False)]

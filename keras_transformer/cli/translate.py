@@ -20,7 +20,10 @@ with bounded memory. Lines end at "\\n" only, as the corpus reader's; a line's t
 
 With `--output`, the terminal is free for progress: a line on stderr every
 `PROGRESS_SECONDS` with the sentences translated so far and their rate, and one at the
-end (none when translations go to stdout, where they are the progress).
+end (none when translations go to stdout, where they are the progress). The file is
+emptied only when the first translations are ready: a command that fails before (a
+model that does not load, an option it refuses) leaves it as it was; one interrupted
+later keeps the translations written so far.
 
 `--attention FILE.png` (with `--run-dir`, for one sentence given as an argument) draws
 the encoder-decoder attention of the translation, teacher forced on the translation as
@@ -39,12 +42,9 @@ a SavedModel, any decoding flag (the flags not given are unset: the export's own
 """
 
 import argparse
-import codecs
-import collections
 import contextlib
 import os
 import re
-import select
 import sys
 import time
 from pathlib import Path
@@ -53,13 +53,11 @@ import tensorflow as tf
 import tensorflow_text  # noqa: F401  Registers the SentencePiece ops a SavedModel needs.
 
 from keras_transformer import signatures as signature_table
-from keras_transformer.cli import xla_batch
+from keras_transformer.cli import decoding_flags, interrupts, line_input, xla_batch
 from keras_transformer.decoding_settings import EARLY_STOPPING, DecodingSettings
 
 # The command's name in its messages: kt-translate when run so, else the repository's script.
 PROG = Path(sys.argv[0]).name if Path(sys.argv[0]).name == "kt-translate" else "translate.py"
-# Bytes asked of the input at a time: a few batches of typical lines, never the whole input.
-READ_CHUNK_BYTES = 1 << 16
 # Seconds between progress lines on stderr while translating into an --output file.
 PROGRESS_SECONDS = 10.0
 
@@ -128,7 +126,10 @@ def parse_args(argv=None):
     parser.add_argument(
         "--input", help="File of sentences, one per line, read as it is translated (default: stdin)."
     )
-    parser.add_argument("--output", help="File the translations are written to (default: stdout).")
+    parser.add_argument(
+        "--output",
+        help="File the translations are written to (default: stdout); emptied when the first ones are ready.",
+    )
     parser.add_argument(
         "--attention",
         metavar="FILE.png",
@@ -139,14 +140,11 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error("--batch-size must be at least 1.")
-    if args.beam_size is not None and args.beam_size < 1:
-        parser.error("--beam-size must be at least 1.")
-    if args.alpha is not None and args.alpha < 0:
-        parser.error("--alpha must be 0 or more.")
-    if args.max_length is not None and args.max_length < 1:
-        parser.error("--max-length must be at least 1.")
-    if args.min_length is not None and args.min_length < 0:
-        parser.error("--min-length must be 0 or more.")
+    if args.sentences and args.input:
+        parser.error("give sentences as arguments or --input, not both.")
+    if args.scores and args.n_best:
+        parser.error("--scores or --n-best: --n-best prints every hypothesis with its score.")
+    decoding_flags.check(parser, args)
     if args.jit_compile and (args.saved_model or args.n_best or args.max_length is not None):
         parser.error("--jit-compile goes with --run-dir, without --n-best and --max-length.")
     xla_batch.check(parser, args)
@@ -174,7 +172,12 @@ def load_translator(args):
     Keep `module` referenced while using `signatures`: it owns their variables and resources.
     """
     if args.saved_model:
-        module = tf.saved_model.load(str(version_directory(args.saved_model)))
+        directory = version_directory(args.saved_model)
+        try:
+            module = tf.saved_model.load(str(directory))
+        except (OSError, ValueError, tf.errors.OpError) as error:  # A damaged or partly copied export.
+            message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise LoadError(f"cannot load the SavedModel in {directory}: {message}") from None
         return module, module.signatures
     module = run_translator(args)
     return module, module.signatures()
@@ -239,131 +242,69 @@ def open_input(args):
 
 
 def open_output(args):
-    """The text stream translations are written to: `--output`'s file (UTF-8), else `None` for stdout.
+    """`--output`'s `OutputFile`, else `None` for stdout.
 
     Raises:
-        OSError: If the file cannot be written, or is the `--input` file (which opening it would empty).
+        OSError: If the file cannot be written, or is the file the sentences are read
+            from (`--input`, or stdin), which writing would erase before it is read.
     """
     if args.output is None:
         return None
-    if args.input and os.path.exists(args.output) and os.path.samefile(args.input, args.output):
-        raise OSError("it is the --input file, which writing would erase before it is read")
-    return open(args.output, "w", encoding="utf-8")
+    if os.path.exists(args.output):
+        source, name = _input_file_status(args)
+        if source is not None and os.path.samestat(source, os.stat(args.output)):
+            raise OSError(f"it is the {name}, which writing would erase before it is read")
+    return OutputFile(args.output)
 
 
-class LineReader:
-    """The lines of a binary stream, read a chunk at a time as they arrive.
+def _input_file_status(args):
+    """`(os.stat_result, name)` of the file sentences are read from, else `(None, None)`."""
+    if args.sentences:
+        return None, None
+    if args.input:
+        return os.stat(args.input), "--input file"
+    try:
+        return os.fstat(sys.stdin.fileno()), "file on stdin"
+    except (OSError, ValueError):  # No file behind stdin (closed, or replaced by a test's).
+        return None, None
 
-    Lines end at "\\n" only, as the corpus reader's: a stray "\\r" inside a line does not
-    split it. A line's trailing "\\r"s (CRLF files) and the first line's UTF-8 byte order
-    mark (an editor's mark, not text) are dropped; a last line without "\\n" is a line.
-    Bytes are not decoded: invalid UTF-8 is passed on (the translator copes).
 
-    A stream with a file descriptor is read with `os.read`, past any Python buffer:
-    nothing else may have read from it. Memory holds what one read returned at most,
-    beyond the line being completed.
+class OutputFile:
+    """`--output`: opened when the command starts, emptied when the first translations are ready.
+
+    Opened for appending, which fails at once on a path that cannot be written but keeps
+    what the file holds: a model that does not load, or refuses the first batch, leaves
+    the file as it was. Use it as a context manager.
     """
 
-    def __init__(self, stream, chunk_bytes=READ_CHUNK_BYTES):
-        self._stream = stream
-        self._chunk_bytes = chunk_bytes
-        self._fd = _file_descriptor(stream)
-        self._lines = collections.deque()  # Whole lines read and not yet returned.
-        self._partial = []  # The pieces of the line being read.
-        self._at_end = False
-        self._first = True
+    def __init__(self, path):
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+        self._emptied = False
 
-    def __iter__(self):
-        while (line := self.next_line()) is not None:
-            yield line
+    def stream(self):
+        """The file as a text stream, emptied at the first call."""
+        if not self._emptied:
+            self._file.truncate(0)
+            self._emptied = True
+        return self._file
 
-    def next_line(self):
-        """The next line, waiting for it if need be; `None` at the end of the input."""
-        while not self._lines and not self._at_end:
-            self._read_chunk()
-        if not self._lines:
-            return None
-        line = self._lines.popleft()
-        if self._first:
-            self._first = False
-            line = line.removeprefix(codecs.BOM_UTF8)
-        return line.rstrip(b"\r")
+    def __enter__(self):
+        return self
 
-    def line_ready(self):
-        """Whether `next_line` returns without waiting: a whole line, or the end, has arrived."""
-        while not self._lines and not self._at_end and self._readable_now():
-            self._read_chunk()
-        return bool(self._lines) or self._at_end
-
-    def _read_chunk(self):
-        if self._fd is not None:
-            chunk = os.read(self._fd, self._chunk_bytes)
-        else:
-            chunk = _read_some(self._stream, self._chunk_bytes)
-        if not chunk:
-            self._at_end = True  # Never read again: a terminal would wait for a second Ctrl-D.
-            if self._partial:
-                self._lines.append(b"".join(self._partial))
-                self._partial = []
-            return
-        *whole, rest = chunk.split(b"\n")
-        if whole:
-            whole[0] = b"".join([*self._partial, whole[0]])
-            self._partial = []
-            self._lines.extend(whole)
-        if rest:
-            self._partial.append(rest)
-
-    def _readable_now(self):
-        """Whether a read returns without waiting (always, for a stream `select` cannot poll)."""
-        if self._fd is None:
-            return True
-        try:
-            return bool(select.select([self._fd], [], [], 0)[0])
-        except (OSError, ValueError):  # Windows pipes: a batch then waits until it is full or the input ends.
-            return True
-
-
-def _file_descriptor(stream):
-    """`stream`'s file descriptor, or `None` for an in-memory stream such as `io.BytesIO`."""
-    try:
-        return stream.fileno()
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the latter.
-        return None
-
-
-def _read_some(stream, size):
-    """Up to `size` bytes of a stream without a file descriptor, with one read if it allows."""
-    return stream.read1(size) if hasattr(stream, "read1") else stream.read(size)
-
-
-def arriving_batches(lines, size):
-    """Batches of the lines of a `LineReader`: the first waited for, then those already there, up to `size`."""
-    while (first := lines.next_line()) is not None:
-        batch = [first]
-        while len(batch) < size and lines.line_ready():
-            line = lines.next_line()
-            if line is None:
-                break
-            batch.append(line)
-        yield batch
+    def __exit__(self, *exc_info):
+        self._file.close()
 
 
 def input_batches(args, stream):
     """Batches of sentences as UTF-8 bytes: the arguments', else `stream`'s lines as they arrive."""
     if not args.sentences:
-        yield from arriving_batches(LineReader(stream), args.batch_size)
+        yield from line_input.arriving_batches(line_input.LineReader(stream), args.batch_size)
         return
     # fsencode: the bytes as given, also those that are not UTF-8.
     sentences = [os.fsencode(sentence) for sentence in args.sentences]
     for start in range(0, len(sentences), args.batch_size):
         yield sentences[start : start + args.batch_size]
-
-
-def read_sentences(args, stream):
-    """All sentences as UTF-8 bytes, as `input_batches` gives them (invalid bytes are passed on)."""
-    with contextlib.closing(stream) if stream is not None else contextlib.nullcontext():
-        return [sentence for batch in input_batches(args, stream) for sentence in batch]
 
 
 def print_results(results, first_index, args, file=None):
@@ -414,8 +355,16 @@ def refusal(error):
 
 
 def main(argv=None):
-    """Translates as the command line `argv` asks (default: `sys.argv[1:]`); returns the exit code (2 for bad input)."""
+    """Translates as the command line `argv` asks (default: `sys.argv[1:]`); returns the exit code.
+
+    2 for bad input, 130 after Ctrl-C, 1 when stdout's reader leaves (`| head`); the
+    translations written before an interruption stay written.
+    """
     args = parse_args(argv)
+    return interrupts.exit_code_of(lambda: _translate(args), PROG)
+
+
+def _translate(args):
     try:
         # Opened first: a missing file should not wait for the model to load.
         stream = open_input(args)
@@ -453,12 +402,14 @@ def translate_all(translate, sentence_batches, args, output):
     progress = FileProgress(args.output) if output is not None else None
     for batch in sentence_batches:
         results = translate(tf.constant(batch, dtype=tf.string))
-        print_results(results, translated, args, output)
-        (output or sys.stdout).flush()  # Each batch is seen as soon as it is translated.
+        stream = sys.stdout if output is None else output.stream()
+        print_results(results, translated, args, stream)
+        stream.flush()  # Each batch is seen as soon as it is translated.
         translated += len(batch)
         if progress is not None:
             progress.update(translated)
-    if progress is not None:
+    if output is not None:
+        output.stream()  # Emptied also when there was no input.
         progress.done(translated)
     return results
 
