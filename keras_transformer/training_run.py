@@ -259,7 +259,13 @@ def _no_training_pairs(run, settings):
 
 
 def steps_for_epochs(run, corpus, tokenizer, settings, num_replicas):
-    """Steps of `settings.epochs` passes: per-replica batches of one epoch / replicas."""
+    """Steps of `settings.epochs` passes: per-replica batches of one epoch / replicas.
+
+    The replicas are those the run recorded, else `num_replicas`: a finished run keeps
+    its length on any number of devices, so evaluating it works there, and resuming it
+    on another number is refused as such (`check_replicas`).
+    """
+    num_replicas = settings.replicas or num_replicas
     batches = data.make_training_dataset(
         corpus.train, tokenizer, token_budget=settings.token_budget, max_length=settings.max_length,
         long_sentences=settings.long_sentences, seed=settings.seed,

@@ -447,6 +447,21 @@ def test_resuming_on_another_number_of_replicas_is_one_line_in_a_real_process(ex
     assert _snapshot(existing_run) == before
 
 
+def test_an_epochs_run_keeps_its_length_on_another_number_of_replicas(tmp_path, multi30k_dir, multi30k_tokenizer):
+    """Trained on 2 replicas, its epochs are counted in steps of 2 replicas' batches, also where 1 runs."""
+    from types import SimpleNamespace
+
+    from keras_transformer.corpora import load_multi30k
+
+    corpus = SimpleNamespace(train=load_multi30k(multi30k_dir).train[:500])
+    settings = run_settings.layered({"preset": "tiny", "epochs": 1, "vocab_size": multi30k_tokenizer.vocab_size})
+    on_two = training_run.steps_for_epochs(tmp_path, corpus, multi30k_tokenizer, settings, 2)
+    on_one = training_run.steps_for_epochs(tmp_path, corpus, multi30k_tokenizer, settings, 1)
+    assert on_one > on_two
+    recorded = settings.replace(replicas=2)
+    assert training_run.steps_for_epochs(tmp_path, corpus, multi30k_tokenizer, recorded, 1) == on_two
+
+
 @pytest.mark.slow
 def test_a_finished_run_extended_by_epochs_checks_its_replicas(existing_run, multi30k_dir):
     """Finished at step 100 on 2 replicas; --epochs 1 means more steps, and this command has 1 replica."""
