@@ -13,7 +13,6 @@ needs the standard library only (`keras_transformer.serving_client`).
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -80,13 +79,9 @@ def sentence_batches(args):
     here: JSON and protobuf strings cannot carry them (the model would read them as
     U+FFFD too).
     """
-    if not args.sentences:
-        for batch in line_input.arriving_batches(line_input.LineReader(sys.stdin.buffer), args.batch_size):
-            yield [line.decode("utf-8", errors="replace") for line in batch]
-        return
-    sentences = [os.fsencode(sentence).decode("utf-8", errors="replace") for sentence in args.sentences]
-    for start in range(0, len(sentences), args.batch_size):
-        yield sentences[start : start + args.batch_size]
+    stream = None if args.sentences else sys.stdin.buffer
+    for batch in line_input.sentence_batches(args.sentences, stream, args.batch_size):
+        yield [sentence.decode("utf-8", errors="replace") for sentence in batch]
 
 
 def request_options(args):

@@ -100,6 +100,17 @@ def _read_some(stream, size):
     return stream.read1(size) if hasattr(stream, "read1") else stream.read(size)
 
 
+def sentence_batches(arguments, stream, size):
+    """Batches of at most `size` sentences as bytes: the command-line `arguments` if any, else `stream`'s lines."""
+    if not arguments:
+        yield from arriving_batches(LineReader(stream), size)
+        return
+    # fsencode: the bytes as given, also those that are not UTF-8.
+    sentences = [os.fsencode(sentence) for sentence in arguments]
+    for start in range(0, len(sentences), size):
+        yield sentences[start : start + size]
+
+
 def arriving_batches(lines, size):
     """Batches of the lines of a `LineReader`: the first waited for, then those already there, up to `size`."""
     while (first := lines.next_line()) is not None:

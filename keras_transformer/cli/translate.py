@@ -298,13 +298,7 @@ class OutputFile:
 
 def input_batches(args, stream):
     """Batches of sentences as UTF-8 bytes: the arguments', else `stream`'s lines as they arrive."""
-    if not args.sentences:
-        yield from line_input.arriving_batches(line_input.LineReader(stream), args.batch_size)
-        return
-    # fsencode: the bytes as given, also those that are not UTF-8.
-    sentences = [os.fsencode(sentence) for sentence in args.sentences]
-    for start in range(0, len(sentences), args.batch_size):
-        yield sentences[start : start + args.batch_size]
+    return line_input.sentence_batches(args.sentences, stream, args.batch_size)
 
 
 def print_results(results, first_index, args, file=None):
