@@ -155,6 +155,25 @@ def test_long_outputs_cross_the_growing_cache_segments_unchanged(trained_model, 
         np.testing.assert_allclose(cached.scores, uncached.scores, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_a_search_traces_the_decoder_once_for_all_its_loops(tiny_translation_run, source_ids, jit_compile):
+    # One loop per cache length, 16 -> 32 -> 40 here (two per length under XLA's halving):
+    # a decoder traced for each doubled the time to a translator's first translation.
+    from keras_transformer import run_dir
+
+    model = run_dir.load_model(tiny_translation_run)  # no search traced yet
+    traces = []
+    decode_step = model.decode_step
+
+    def counted(*args, **kwargs):
+        traces.append(1)
+        return decode_step(*args, **kwargs)
+
+    model.decode_step = counted
+    decode(model, source_ids[:2], max_output_length=40, jit_compile=jit_compile)
+    assert len(traces) == 1
+
+
 def test_xla_compiled_decoding_gives_the_same_hypotheses(trained_model, source_ids):
     # Greedy decoding under XLA is covered with the fixed scoring function in test_search.py.
     expected = decode(trained_model, source_ids[:4])
