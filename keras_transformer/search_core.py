@@ -62,8 +62,8 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
   step (a reference for tests and benchmarks, not for use).
 * A step is one `tf.function` that every loop calls, so the scoring function (a
   model's decoder) is traced once per search, not once per loop (a loop per cache
-  size, two under XLA's halving): tracing and optimizing those copies took about half
-  of the time a translator needed for its first translation. Cache buffers of static
+  size, two under XLA's halving): tracing those copies was a quarter to half of a
+  translator's time to its first translation. Cache buffers of static
   lengths (a Transformer's are not) trace it a second time, with relaxed shapes.
 """
 

@@ -158,7 +158,7 @@ def test_long_outputs_cross_the_growing_cache_segments_unchanged(trained_model, 
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_a_search_traces_the_decoder_once_for_all_its_loops(tiny_translation_run, source_ids, jit_compile):
     # One loop per cache length, 16 -> 32 -> 40 here (two per length under XLA's halving):
-    # a decoder traced for each doubled the time to a translator's first translation.
+    # tracing the decoder for each was a quarter to half of a translator's start-up.
     from keras_transformer import run_dir
 
     model = run_dir.load_model(tiny_translation_run)  # no search traced yet
