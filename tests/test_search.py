@@ -7,7 +7,8 @@ every output scores each with the same length penalty; with a beam as large as t
 number of unfinished prefixes, beam search is exact, and with small beams it is not
 (checked, so the comparison is not vacuous). Also: a cache grown in segments, ids never
 emitted, minimum lengths, the early stops against a plain Python beam search, greedy
-decoding, tensor settings, XLA, and edge cases (empty slots, an empty batch, bad settings).
+decoding, tensor settings, XLA, edge cases (empty slots, an empty batch, bad settings), and
+the chunked top-k of a step's candidates against a full top-k.
 """
 
 import math
@@ -494,6 +495,48 @@ def test_under_xla_a_batch_halves_as_its_rows_finish(beam_size, halvings, monkey
     assert int(scored_alone.numpy()) < int(scored_halving.numpy()) < int(scored_kept.numpy())
     if halvings == 3:  # down to one row: every step scores fewer than twice the open rows' beams
         assert int(scored_halving.numpy()) < 2 * int(scored_alone.numpy())
+
+
+def full_top_k(log_probs, alive_log_probs, k):
+    """The definition `_best_candidates` must meet: one top-k over every beam's every token."""
+    vocab_size = log_probs.shape[-1]
+    scores = alive_log_probs[:, :, None] + log_probs
+    best, index = tf.math.top_k(tf.reshape(scores, [scores.shape[0], -1]), k=k)
+    return best, index // vocab_size, index % vocab_size
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize(
+    "beam_size, vocab_size", [(4, 4000), (4, 100), (1, 37), (16, 64), (3, VOCAB), (4, 33)]
+)
+def test_the_chunked_candidate_top_k_is_a_full_top_k_ties_included(beam_size, vocab_size, jit_compile):
+    # Ties from rounded scores and repeated beams, blocked ids, beams not yet opened,
+    # vocabularies smaller than a chunk, not a multiple of it, and one chunk plus one id.
+    rng = np.random.default_rng(vocab_size + beam_size)
+    rows, k = 6, search_core._num_candidates(beam_size)
+    log_probs = np.round(rng.normal(size=(rows, beam_size, vocab_size)), 1).astype("float32")
+    log_probs[1] = log_probs[1, :1]  # every beam of row 1 alike
+    log_probs[2, :, :: max(2, vocab_size // 5)] = search_core.NEG_INF
+    log_probs[3] = 0.0  # all tied
+    alive = np.round(rng.normal(size=(rows, beam_size)), 1).astype("float32")
+    alive[1] = alive[1, 0]
+    alive[4, 1:] = search_core.NEG_INF  # only the first beam open, as at the first step
+    args = (tf.constant(log_probs), tf.constant(alive))
+    found = tf.function(lambda lp, a: search_core._best_candidates(lp, a, k), jit_compile=jit_compile)(*args)
+    for name, got, expected in zip(("scores", "beams", "tokens"), found, full_top_k(*args, k), strict=True):
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+def test_the_chunked_candidate_top_k_takes_shapes_known_only_when_run():
+    rng = np.random.default_rng(0)
+    log_probs = tf.constant(np.round(rng.normal(size=(3, 4, 70)), 1).astype("float32"))
+    alive = tf.constant(np.round(rng.normal(size=(3, 4)), 1).astype("float32"))
+    unknown = tf.TensorSpec([None, None, None], tf.float32), tf.TensorSpec([None, None], tf.float32)
+    found = tf.function(
+        lambda lp, a: search_core._best_candidates(lp, a, tf.constant(8)), input_signature=unknown
+    )(log_probs, alive)
+    for got, expected in zip(found, full_top_k(log_probs, alive, 8), strict=True):
+        np.testing.assert_array_equal(got, expected)
 
 
 def test_search_stops_once_no_alive_beam_can_win():
