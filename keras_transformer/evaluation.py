@@ -391,7 +391,8 @@ class Validator:
     def _make_sums_fn(self, model):
         ids_spec = tf.TensorSpec([None, None], tf.int32)
 
-        @tf.function(input_signature=[ids_spec, ids_spec, ids_spec])
+        # Without AutoGraph, as the Trainer's step: nothing here needs it, and converting the model is slow.
+        @tf.function(input_signature=[ids_spec, ids_spec, ids_spec], autograph=False)
         def sums(source_ids, decoder_inputs, labels):
             logits = model((source_ids, decoder_inputs), training=False)
             loss_sum, tokens = label_smoothed_cross_entropy(labels, logits, self.label_smoothing)

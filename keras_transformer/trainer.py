@@ -440,7 +440,9 @@ class Trainer:
             optimizer.apply(grads, variables)
             return metrics
 
-        @tf.function
+        # Without AutoGraph (no Python control flow on tensors here or in the model): converting
+        # the model's code slowed every run's start by seconds.
+        @tf.function(autograph=False)
         def train_step(iterator):
             per_replica = strategy.run(replica_step, args=(next(iterator),))
             self.step.assign_add(1)
@@ -463,7 +465,7 @@ class Trainer:
         label_smoothing = self.config.label_smoothing
         pad_id = model.pad_id
 
-        @tf.function(jit_compile=self.config.jit_compile)
+        @tf.function(jit_compile=self.config.jit_compile, autograph=False)  # See train_step's.
         def gradients(source_ids, decoder_inputs, labels, global_tokens):
             with tf.GradientTape() as tape:
                 logits = model((source_ids, decoder_inputs), training=True)

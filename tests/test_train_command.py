@@ -5,6 +5,7 @@ run `python train.py` in a subprocess, and the library functions a run is made o
 (`keras_transformer.training_run`).
 """
 
+import dataclasses
 import hashlib
 import re
 import sys
@@ -27,6 +28,7 @@ from keras_transformer import run_dir, run_settings, training_run
 from keras_transformer.cli import train as train_cli
 from keras_transformer.decoding_settings import DecodingSettings
 from keras_transformer.model import Transformer
+from keras_transformer.trainer import TrainingResult
 
 
 # --- Checkpoint averaging and translation progress ---------------------------------------
@@ -379,12 +381,12 @@ def test_a_start_interrupted_after_the_vocabulary_is_resumed(tmp_path, multi30k_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("length, instead", [([], ""), (["--epochs", "1"], " in place of --epochs")],
-                         ids=["steps", "epochs"])
-def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir, length, instead):
+def test_a_time_budget_stop_says_where_the_run_stands_and_its_advice_works(tmp_path, multi30k_dir):
     """A run stopped by --max-minutes ends with its step and how to continue it, or only evaluate it.
 
-    A length in epochs must give way to --train-steps: argparse refuses both.
+    A run in --epochs: the advice to evaluate it must swap its length for --train-steps (argparse
+    refuses both), and the run then takes the new length. The message of a run in steps is
+    `test_a_time_budget_stop_logs_the_step_and_the_flags_to_go_on`'s.
     """
     # No validation split: what the stop says does not depend on one, and the run skips the final validation.
     corpus = multi30k_files(tmp_path / "data", multi30k_dir, {"train": 3000, "test": 4})
@@ -393,14 +395,14 @@ def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir, le
         "--vocab-size", "1000",
         "--max-length", "64", "--max-minutes", "0.0001", "--bleu-sentences", "0", "--beam-size", "1",
     ]
-    result = run_command([*command, *length])
+    result = run_command([*command, "--epochs", "1"])
     assert result.returncode == 0, result.stderr[-3000:]
     # Its one step traced the step function, so it was not timed: no speed rather than 0 tokens/s.
     assert re.search(r"^Trained steps 1-1 in \S+\.$", result.stderr, re.MULTILINE), result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert re.fullmatch(
         r"The time budget \(--max-minutes 0.0001\) stopped the run at step 1 of \d+; run the same command again "
-        rf"to continue training from there, or add --train-steps 1{instead} to evaluate it as it stands "
+        r"to continue training from there, or add --train-steps 1 in place of --epochs to evaluate it as it stands "
         r"\(with other decoding flags, say\)\.", last
     ), last
 
@@ -408,6 +410,21 @@ def test_a_time_budget_stop_says_where_the_run_stands(tmp_path, multi30k_dir, le
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "Already trained 1 of 1 steps; nothing to do." in evaluated.stderr, evaluated.stderr[-3000:]
     assert "Translating 4 test sentences with checkpoints/ckpt-1 (beam 2, alpha 0.6)" in evaluated.stderr
+
+
+@pytest.mark.parametrize("length, instead", [({}, ""), ({"epochs": 1}, " in place of --epochs")],
+                         ids=["steps", "epochs"])
+def test_a_time_budget_stop_logs_the_step_and_the_flags_to_go_on(caplog, length, instead):
+    settings = run_settings.layered({"preset": "tiny", "max_minutes": 0.5, "train_steps": 200, **length})
+    stopped = TrainingResult(start_step=0, step=37, stopped_early=True, seconds=30.0, tokens_per_second=0.0)
+    with caplog.at_level("INFO", logger="keras_transformer.training_run"):
+        training_run._log_early_stop(stopped, settings)
+        training_run._log_early_stop(dataclasses.replace(stopped, step=200, stopped_early=False), settings)
+    assert [record.getMessage() for record in caplog.records] == [
+        "The time budget (--max-minutes 0.5) stopped the run at step 37 of 200; run the same command again to "
+        f"continue training from there, or add --train-steps 37{instead} to evaluate it as it stands (with other "
+        "decoding flags, say)."
+    ]
 
 
 @pytest.mark.parametrize(
