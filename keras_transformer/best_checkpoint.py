@@ -3,8 +3,11 @@
 A run that validates every `eval_every` steps keeps the weights of its best validation BLEU
 so far in `RUN/best` (`run_dir.best_checkpoint`), out of reach of the rotation of
 `RUN/checkpoints`; with `patience` N, it stops once N validations in a row have not
-improved on that BLEU. The record survives a resume: the best checkpoint holds its BLEU,
-and the validations since it are read from the validation logs.
+improved on that BLEU. Patience counts the validations of the schedule (steps that are
+multiples of `eval_every`) only: the one a run makes where it stops (the time budget, the
+last step) is no setback, as a run that had gone on would not have made it. The record
+survives a resume: the best checkpoint holds its BLEU, and the validations since it are
+read from the validation logs.
 
 Contract: `BestCheckpoint` decides on the worker that validates (the chief), from the
 metrics of its validations, and runs no collective. Making the other workers follow is
@@ -42,12 +45,15 @@ class _BestSoFar:
     bleu: float = -math.inf
     validations_since: int = 0
 
-    def update(self, step, bleu):
-        """Records the BLEU of `step`; returns whether it is a new best (strictly higher)."""
+    def update(self, step, bleu, counts):
+        """Records the BLEU of `step`; returns whether it is a new best (strictly higher).
+
+        A validation that is no better counts against patience only if `counts`.
+        """
         if bleu > self.bleu:
             self.step, self.bleu, self.validations_since = step, bleu, 0
             return True
-        if step > self.step:  # The best step itself, validated again after a crash, is no setback.
+        if counts and step > self.step:  # The best step itself, validated again after a crash, is no setback.
             self.validations_since += 1
         return False
 
@@ -92,7 +98,9 @@ class BestCheckpoint:
         self._best = _BestSoFar(checkpoint_step(path), bleu)
         logged = read_scalars(self.run_dir / LOG_DIR / "validation").get(BEST_METRIC, [])
         # Up to `start_step` only: validations of steps past the checkpoint resumed from are redone.
-        self._best.validations_since = sum(1 for step, _, _ in logged if self._best.step < step <= start_step)
+        self._best.validations_since = sum(
+            1 for step, _, _ in logged if self._best.step < step <= start_step and self._scheduled(step)
+        )
 
     def record(self, step, metrics):
         """Records the validation BLEU of `step`; returns whether it is a new best.
@@ -108,14 +116,21 @@ class BestCheckpoint:
                                     BEST_METRIC)
             return False
         best = self._best
-        if best.update(step, metrics[BEST_METRIC]):
+        scheduled = self._scheduled(step)
+        if best.update(step, metrics[BEST_METRIC], counts=scheduled):
             return True
         self.logger.info(
-            "Validation BLEU %.2f at step %d: no better than %.2f at step %d (%d validation(s) without improvement%s).",
+            "Validation BLEU %.2f at step %d: no better than %.2f at step %d "
+            "(%d validation(s) without improvement%s%s).",
             metrics[BEST_METRIC], step, best.bleu, best.step, best.validations_since,
             f", patience {self.patience}" if self.patience else "",
+            "" if scheduled else f"; step {step} is off the schedule of every {self.eval_every} steps: not counted",
         )
         return False
+
+    def _scheduled(self, step):
+        """Whether `step`'s validation is one of the schedule's, which patience counts."""
+        return self.eval_every > 0 and step % self.eval_every == 0
 
     def save(self, step):
         """Saves the model as the best checkpoint of `step`, with its BLEU; to be called on every worker alike."""

@@ -367,6 +367,29 @@ def test_patience_counts_on_across_a_resume(tmp_path):
     assert run_dir.best_checkpoint(run) == (str(run / run_dir.BEST_DIR / "ckpt-2"), 12.0)
 
 
+def test_patience_counts_only_the_scheduled_validations_across_a_stop_off_the_schedule(tmp_path, caplog):
+    """Stopped at step 3 (validated there, off the every-2 schedule), then run to step 8: patience ends it at 6.
+
+    A run that had not stopped validates steps 2, 4 and 6, and the second BLEU without
+    improvement (step 6) ends it, not the extra validation of step 3 with the one of step 4.
+    """
+    run = tmp_path / "run"
+    bleu = {2: 12.0, 3: 11.0, 4: 11.0, 6: 11.0, 8: 11.0}
+    with caplog.at_level("INFO", logger="keras_transformer.trainer"):
+        first = _trainer(run, _bleu_validator(bleu), train_steps=3, eval_every=2, patience=2).fit(
+            _synthetic_pairs_dataset
+        )
+    assert (first.step, first.out_of_patience) == (3, False)
+    assert "step 3 is off the schedule of every 2 steps: not counted" in caplog.text
+
+    validated = {}
+    resumed = _trainer(run, _bleu_validator(bleu, validated), train_steps=8, eval_every=2, patience=2)
+    result = resumed.fit(_synthetic_pairs_dataset)
+    assert sorted(validated) == [4, 6]
+    assert (result.step, result.out_of_patience) == (6, True)
+    assert run_dir.best_checkpoint(run) == (str(run / run_dir.BEST_DIR / "ckpt-2"), 12.0)
+
+
 def test_a_run_interrupted_while_saving_a_new_best_validates_that_step_again(tmp_path, monkeypatch):
     """Ctrl-C in the save of step 2's best BLEU: the resumed run validates step 2 again and keeps its weights."""
     run = tmp_path / "run"
