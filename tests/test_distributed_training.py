@@ -18,7 +18,9 @@ import pytest
 import tensorflow as tf
 import training_worker  # tests/ is on sys.path: pytest puts it there for this file
 
-from fake_runs import ROOT, SUBPROCESS_TIMEOUT, local_tf_configs, run_command, synthetic_pairs_dataset, tiny_trainer
+from fake_runs import (
+    ROOT, SUBPROCESS_TIMEOUT, local_tf_configs, multi30k_files, run_command, synthetic_pairs_dataset, tiny_trainer
+)
 from keras_transformer import distribution, run_dir
 
 WORKER = ROOT / "tests" / "training_worker.py"
@@ -225,6 +227,12 @@ def test_a_worker_lost_in_a_step_names_the_steps_finished_before_it(tmp_path, mo
 # --- Multi-worker runs of train.py ---------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def training_corpus(tmp_path_factory, multi30k_dir):
+    """`--dataset files` flags of 2000 Multi30k training pairs: a start that tokenizes a corpus in a second."""
+    return multi30k_files(tmp_path_factory.mktemp("corpus") / "data", multi30k_dir, {"train": 2000})
+
+
 def _start_two_workers(run, *flags, env=None):
     """Two `train.py` workers of a `tiny` Multi30k run on 127.0.0.1 that train until stopped; stderr piped."""
     flags = ["--run-dir", str(run), "--preset", "tiny", "--vocab-size", "1000", "--train-steps", "100000",
@@ -256,7 +264,7 @@ def _read_until(process, start):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("killed", [0, 1], ids=["chief", "other"])
-def test_killing_one_worker_checkpoints_and_stops_all_of_them_at_one_step(tmp_path, multi30k_dir, killed):
+def test_killing_one_worker_checkpoints_and_stops_all_of_them_at_one_step(tmp_path, training_corpus, killed):
     """A worker stopping alone leaves the others failing in the next all-reduce: they must agree on the step.
 
     Also: the coordination service of MultiWorkerMirroredStrategy installs its own SIGTERM handler.
@@ -264,7 +272,7 @@ def test_killing_one_worker_checkpoints_and_stops_all_of_them_at_one_step(tmp_pa
     import signal
 
     run = tmp_path / "run"
-    processes = _start_two_workers(run, "--data-dir", str(multi30k_dir), "--checkpoint-every", "100000")
+    processes = _start_two_workers(run, *training_corpus, "--checkpoint-every", "100000")
     try:
         chief_lines = _read_until(processes[0], "step 3/")
         processes[killed].send_signal(signal.SIGTERM)
@@ -286,14 +294,16 @@ def test_killing_one_worker_checkpoints_and_stops_all_of_them_at_one_step(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("killed", [0, 1], ids=["chief", "other"])
-def test_a_worker_killed_outright_stops_the_other_with_an_error_naming_the_checkpoint(tmp_path, multi30k_dir, killed):
+def test_a_worker_killed_outright_stops_the_other_with_an_error_naming_the_checkpoint(
+    tmp_path, training_corpus, killed
+):
     """SIGKILL (or a crash) leaves no time to agree: the survivor must say so and exit, not hang or dump a traceback."""
     import signal
 
     run = tmp_path / "run"
     temporary = tmp_path / "tmp"  # where the non-chief worker keeps its checkpoints
     temporary.mkdir()
-    processes = _start_two_workers(run, "--data-dir", str(multi30k_dir), "--checkpoint-every", "2",
+    processes = _start_two_workers(run, *training_corpus, "--checkpoint-every", "2",
                                    env={"TMPDIR": str(temporary)})
     survivor = processes[1 - killed]
     try:
