@@ -234,15 +234,19 @@ def checkpoint_step(path):
     return int(match.group(1))
 
 
-def average_checkpoints(run_dir, last_n):
+def average_checkpoints(run_dir, last_n, every=1):
     """Writes the mean of the weights of the last `last_n` checkpoints to `RUN/averaged/`.
 
     Only trainable weights are averaged; other variables (dropout seed states) come from
-    the newest checkpoint. The averaged checkpoint is numbered by the newest step.
+    the newest checkpoint. The averaged checkpoint is numbered by the newest step. Before
+    the newest, only checkpoints of the schedule count: one saved between two of them (an
+    interruption the run resumed from) would weigh their stretch of training twice.
 
     Args:
         run_dir: The run directory.
-        last_n: How many of the latest kept checkpoints to average (fewer if fewer are kept).
+        last_n: How many checkpoints to average, the newest and those of the schedule before
+            it (fewer if fewer are kept).
+        every: The run's steps between checkpoints (`--checkpoint-every`): the schedule.
 
     Returns:
         `(path of the averaged checkpoint, paths of the checkpoints averaged)`.
@@ -252,9 +256,12 @@ def average_checkpoints(run_dir, last_n):
     """
     if last_n < 1:
         raise RunDirError(f"Cannot average the last {last_n} checkpoints; give a positive number.")
-    chosen = checkpoints(Path(run_dir) / CHECKPOINT_DIR)[-last_n:]
-    if not chosen:
+    found = checkpoints(Path(run_dir) / CHECKPOINT_DIR)
+    if not found:
         raise RunDirError(f"{run_dir} holds no checkpoint under {CHECKPOINT_DIR}/ to average.")
+    *older, newest = found
+    scheduled = [path for path in older if checkpoint_step(path) % every == 0]
+    chosen = scheduled[max(0, len(scheduled) - (last_n - 1)):] + [newest]
     model = build_model(run_dir)
     checkpoint = tf.train.Checkpoint(model=model)
     totals = None

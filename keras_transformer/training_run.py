@@ -283,7 +283,7 @@ def average_only(run, settings):
     """Averages the last `settings.average_last` checkpoints of `run` into RUN/averaged, unchecked."""
     if not settings.average_last:
         raise SettingsError("--average-only needs --average-last N with N >= 1.")
-    path, averaged = run_dir.average_checkpoints(run, settings.average_last)
+    path, averaged = run_dir.average_checkpoints(run, settings.average_last, settings.checkpoint_every)
     logger.info("Averaged %d checkpoints (%s) into %s", len(averaged), ", ".join(Path(p).name for p in averaged), path)
     if (run / run_dir.CONFIG_FILE).is_file():
         # Saved as any command saves its new values: a run last given --average-last 0 (the
@@ -304,7 +304,7 @@ def average_if_better(run, corpus, settings):
     the test, translate.py and export use) if its BLEU is at least that one's; without
     validation sentences, it is kept unchecked.
     """
-    averaged_path, averaged = run_dir.average_checkpoints(run, settings.average_last)
+    averaged_path, averaged = run_dir.average_checkpoints(run, settings.average_last, settings.checkpoint_every)
     logger.info("Averaged the last %d checkpoints (%s) into %s", len(averaged),
                 ", ".join(Path(p).name for p in averaged), averaged_path)
     best = run_dir.best_checkpoint(run)

@@ -39,6 +39,35 @@ def test_averaging_the_last_checkpoints(tmp_path):
     assert Path(run_dir.checkpoint_path(tmp_path, "best")).name == "ckpt-40"
 
 
+@pytest.mark.parametrize(
+    "steps, averaged_steps",
+    [
+        ((10, 20, 25, 30), (10, 20, 30)),
+        ((10, 20, 30, 35), (20, 30, 35)),
+        ((20, 30), (20, 30)),
+        ((10, 25, 30), (10, 30)),
+    ],
+    ids=["interrupted-and-resumed", "stopped-off-the-schedule", "fewer-than-asked", "fewer-of-the-schedule"],
+)
+def test_averaging_skips_a_checkpoint_saved_between_two_of_the_schedule(tmp_path, steps, averaged_steps):
+    """Every 10 steps, interrupted at 25 and resumed: 20, 25 and 30 would weigh steps 20-30 twice in three."""
+    model = Transformer.from_preset("tiny", vocab_size=50)
+    model.build()
+    run_dir.write_config(tmp_path, {"model": run_dir.model_config(model)})
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(tmp_path / "checkpoints"), 5)
+    for step in steps:
+        for variable in model.trainable_variables:
+            variable.assign(np.full(variable.shape, step, "float32"))
+        manager.save(checkpoint_number=step)
+
+    path, averaged = run_dir.average_checkpoints(tmp_path, 3, every=10)
+
+    assert [run_dir.checkpoint_step(p) for p in averaged] == list(averaged_steps)
+    assert Path(path).name == f"ckpt-{steps[-1]}"
+    for variable in run_dir.load_model(tmp_path, "best").trainable_variables:
+        np.testing.assert_allclose(variable.numpy(), np.mean(averaged_steps), rtol=1e-6, err_msg=variable.path)
+
+
 @pytest.mark.parametrize("change", [{"num_layers": 3}, {"d_model": 64}], ids=["more-layers", "wider"])
 def test_a_checkpoint_of_another_architecture_is_refused(tmp_path, change):
     """A 2-layer checkpoint under a 3-layer config.json used to load partly, layer 3 left random."""

@@ -195,7 +195,7 @@ def test_bleu_decides_whether_the_average_is_kept_and_chrf_is_logged_next_to_it(
     tmp_path, monkeypatch, caplog, bleu_better
 ):
     """Of two checkpoints, one better in BLEU and the other in chrF, the average is kept when it is BLEU's."""
-    checkpointed_run(tmp_path, (10, 20))
+    checkpointed_run(tmp_path, (100, 200))  # tiny's checkpoints: every 100 steps
     fake_translations(monkeypatch, winner=bleu_better, wins=BLEU_BETTER, loses=CHRF_BETTER)
     caplog.set_level(logging.INFO, logger="keras_transformer")
     settings = run_settings.layered(

@@ -37,7 +37,7 @@ from keras_transformer.trainer import TrainingResult
 @pytest.mark.parametrize("better", ["averaged", "latest"])
 def test_the_average_is_kept_only_if_it_translates_the_validation_set_better(tmp_path, monkeypatch, better):
     """train.py keeps RUN/averaged only when its validation BLEU is at least the latest's."""
-    checkpointed_run(tmp_path, (10, 20))
+    checkpointed_run(tmp_path, (100, 200))  # tiny's checkpoints: every 100 steps
     # Translations stand in for the two checkpoints: the `better` one translates perfectly.
     fake_translations(monkeypatch, winner=better)
     settings = run_settings.layered(
@@ -50,19 +50,19 @@ def test_the_average_is_kept_only_if_it_translates_the_validation_set_better(tmp
 
 def test_average_only_needs_no_data_directory(tmp_path):
     """A --dataset files run averages without --data-dir: averaging reads no data."""
-    for step in (10, 20):
+    for step in (100, 200):  # tiny's checkpoints: every 100 steps
         run_with_checkpoint(tmp_path, step=step)
     config = run_dir.read_config(tmp_path)
     config["data"] = {"corpus": "files", "source_lang": "en", "target_lang": "de", "vocab_size": 50}
     config["train"] = {"preset": "tiny"}
     run_dir.write_config(tmp_path, config)
     assert train_cli.main(["--run-dir", str(tmp_path), "--average-only", "--average-last", "2"]) == 0
-    assert Path(run_dir.checkpoint_path(tmp_path, "averaged")).name == "ckpt-20"
+    assert Path(run_dir.checkpoint_path(tmp_path, "averaged")).name == "ckpt-200"
 
 
 def test_a_run_averaged_on_request_translates_with_the_average(tmp_path):
     """A `small` run saves --average-last 0; --average-only then makes the average its model, as asked."""
-    for step in (10, 20):
+    for step in (100, 200):  # tiny's checkpoints: every 100 steps
         run_with_checkpoint(tmp_path, step=step)
     config = run_dir.read_config(tmp_path)
     config["data"] = {"corpus": "files", "source_lang": "en", "target_lang": "de", "vocab_size": 50}

@@ -513,7 +513,7 @@ def test_best_means_a_current_average_else_the_best_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("better", [run_dir.AVERAGED_DIR, run_dir.BEST_DIR])
 def test_the_final_evaluation_keeps_the_average_only_if_it_beats_the_best_checkpoint(tmp_path, monkeypatch, better):
-    best = _run_with_best(tmp_path, best_step=10, steps=(10, 20))
+    best = _run_with_best(tmp_path, best_step=100, steps=(100, 200))  # tiny's checkpoints: every 100 steps
     # Translations stand in for the two checkpoints: the `better` one translates perfectly.
     fake_translations(monkeypatch, winner=better)
     settings = run_settings.layered(
