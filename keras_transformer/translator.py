@@ -30,12 +30,13 @@ Input handling, chosen so that no input makes serving fail:
   length, so a sentence translates the same alone or in any batch (up to float
   rounding of different batch shapes).
 
-With `jit_compile=True`, `translate`'s search of a batch of up to `xla_max_batch`
+With `jit_compile=True`, `translate`'s search of a batch of 1 to `xla_max_batch`
 sentences (not the tokenizer, whose ops XLA cannot compile) runs as one XLA
 computation, which on CPUs saves most of the per-op overhead (see
 docs/performance.md). Its fixed shapes keep the rows that are done in the batch until
 the batch halves (`search_core.XLA_HALVINGS`); larger batches take the graph-mode
-search, where done rows leave one by one. XLA compiles once per input shape, so
+search, where done rows leave one by one, and so does an empty one, which is not
+worth a compilation of its own. XLA compiles once per input shape, so
 sources are padded to a few bucket lengths (powers of two from 16 to
 `max_source_length`): a server compiles each (batch size, bucket) it meets once. TF
 Serving runs such a model on a CPU only with `--xla_cpu_compilation_enabled=true`.
@@ -89,7 +90,7 @@ class Translator(tf.Module):
             at `model.max_positions` for learned positional encodings).
         vocabulary_file: Optional path of the tokenizer's SentencePiece model file;
             saved with the module as an asset (`assets/`), for clients and tools.
-        jit_compile: Compile `translate`'s beam search with XLA for batches of up to
+        jit_compile: Compile `translate`'s beam search with XLA for batches of 1 to
             `xla_max_batch` sentences, sources padded to `xla_buckets` lengths (see the
             module docstring). `translate_with_options` stays in graph mode.
         xla_max_batch: With `jit_compile`, the largest batch searched with XLA
@@ -214,8 +215,9 @@ class Translator(tf.Module):
         """
         source_ids, blank = self._source_ids(text)
         if self.jit_compile:
+            batch_size = tf.shape(source_ids)[0]
             best = tf.cond(
-                tf.shape(source_ids)[0] <= self.xla_max_batch,
+                (batch_size > 0) & (batch_size <= self.xla_max_batch),
                 lambda: self._compiled_search(pad_to_bucket(source_ids, self.xla_buckets)),
                 lambda: self._search(source_ids),
             )

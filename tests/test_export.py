@@ -4,7 +4,9 @@ a process with only TensorFlow, bad inputs, XLA, the export's own decoding setti
 Serving it (the REST and gRPC clients, the client CLI, TF Serving's configs) is tested in test_serving.py.
 """
 
+import base64
 import json
+import os
 import re
 import subprocess
 import sys
@@ -347,31 +349,39 @@ def test_source_buckets_cover_every_length_once():
         assert (padded[:, :length] == 1).all() and (padded[:, length:] == 0).all()
 
 
-def test_an_xla_export_translates_like_the_graph_translator(
+def test_an_xla_export_translates_like_the_graph_translator_and_compiles_each_batch_shape_once(
     tiny_translation_run, translator, sentences, tmp_path
 ):
     """XLA and padded sources change the speed, not the translations (graph mode is the truth).
 
-    Batches of up to `xla_max_batch` sentences are searched with XLA, larger ones in
-    graph mode, where done rows leave the batch: both give the graph translator's results.
+    Batches of 1 to `xla_max_batch` sentences are searched with XLA, larger ones in graph
+    mode, where done rows leave the batch, and so is an empty one: all give the graph
+    translator's results. Served in a process of its own, whose XLA compilations are
+    counted (`--xla_dump_to`): a batch shape compiles the first time only, and a larger
+    batch or an empty one never does (an empty request used to compile for batch 0).
     """
     xla_max_batch = 4
     version_dir = saved_model.export_run(
         tiny_translation_run, tmp_path / MODEL_NAME, jit_compile=True, xla_max_batch=xla_max_batch,
         log=lambda line: None,
     )
-    loaded = tf.saved_model.load(str(version_dir)).signatures
-    _assert_each_search_saved_once(version_dir, loaded)  # The XLA search too.
-    served_xla = loaded["serving_default"]
-    batch = [*sentences[:6], *BAD_INPUTS]
+    _assert_each_search_saved_once(version_dir, tf.saved_model.load(str(version_dir)).signatures)  # XLA's too.
+    batch = [text.encode("utf-8") for text in sentences[:6]] + BAD_INPUTS
+    sizes = [xla_max_batch, len(batch), xla_max_batch, 0, 1]  # Each request: the batch's first sentences.
+    dump_dir, requests_path, results_path = tmp_path / "xla_dump", tmp_path / "requests.json", tmp_path / "results.json"
+    requests_path.write_text(json.dumps([[base64.b64encode(text).decode() for text in batch[:size]] for size in sizes]))
+    subprocess.run(
+        [sys.executable, str(REPO / "tests" / "count_xla_compilations.py"), str(version_dir), str(dump_dir),
+         str(requests_path), str(results_path)],
+        check=True, cwd=tmp_path, env={**os.environ, "XLA_FLAGS": f"--xla_dump_to={dump_dir}"},
+    )
+    results = json.loads(results_path.read_text())
+
+    assert [result["search_compilations"] for result in results] == [1, 1, 1, 1, 2]
     expected = translate(translator.translate, batch)
-    for size in (xla_max_batch, len(batch)):
-        found = translate(served_xla, batch[:size])
-        assert list(found["translation"]) == list(expected["translation"][:size])
+    for size, found in zip(sizes, results):
+        assert found["translation"] == [text.decode("utf-8") for text in expected["translation"][:size]]
         np.testing.assert_allclose(found["score"], expected["score"][:size], rtol=1e-4, atol=1e-5)
-    alone = translate(served_xla, sentences[:1])
-    assert alone["translation"][0] == expected["translation"][0]
-    assert all(len(value) == 0 for value in translate(served_xla, []).values())
 
 
 def test_long_inputs_are_translated_from_their_first_tokens(served, tiny_translation_run):
