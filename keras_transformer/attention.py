@@ -58,8 +58,8 @@ def _as_matrix(initializer, input_rank):
 def check_cache_room(cache, cache_index, new_length):
     """Raises unless `new_length` tokens written at `cache_index` fit in the cache.
 
-    `ops.slice_update` clamps a write that runs past the end, so an overflow would
-    silently overwrite the last slots. Known in Python (eagerly, or static values), it
+    A dynamic-update-slice (`write_cache` under XLA) clamps a write that runs past the
+    end, so an overflow would silently overwrite the last slots. Known in Python (eagerly, or static values), it
     is a ValueError now; otherwise the returned graph assertion fails when run (XLA
     drops assertions: the beam search sizes its caches itself).
 
@@ -78,6 +78,35 @@ def check_cache_room(cache, cache_index, new_length):
         return None
     end = tf.cast(cache_index, tf.int32) + tf.cast(new_length, tf.int32)
     return tf.debugging.assert_less_equal(end, tf.shape(cache["key"])[2], message=message)
+
+
+def compiling_with_xla():
+    """Whether the ops being made are for an XLA computation (`tf.function(jit_compile=True)`)."""
+    from tensorflow.python.ops import control_flow_util  # What tf.while_loop itself asks.
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def write_cache(buffer, index, values):
+    """`buffer` `[batch, heads, length, depth]` with `values` written at position `index` of its length.
+
+    Under XLA, a dynamic-update-slice (in place). Outside XLA, TensorFlow would run that
+    op by compiling it with XLA on demand, which TF Serving refuses unless started with
+    `--xla_cpu_compilation_enabled=true`; a strided-slice update is a plain CPU kernel.
+    """
+    values = ops.cast(values, buffer.dtype)
+    if compiling_with_xla():
+        return ops.slice_update(buffer, [0, 0, index, 0], values)
+    index = tf.cast(index, tf.int32)
+    return tf.raw_ops.TensorStridedSliceUpdate(
+        input=buffer,
+        begin=tf.stack([0, 0, index, 0]),
+        end=tf.stack([0, 0, index + tf.shape(values)[2], 0]),
+        strides=tf.ones([4], tf.int32),
+        value=values,
+        begin_mask=0b1011,  # Whole batch, heads and depth: only the length axis is sliced.
+        end_mask=0b1011,
+    )
 
 
 def spec_like(structure):
@@ -443,11 +472,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 if fits is not None:
                     with tf.control_dependencies([fits]):
                         key_heads = tf.identity(key_heads)
-                start = [0, 0, cache_index, 0]
-                key_heads = ops.slice_update(cache["key"], start, ops.cast(key_heads, cache["key"].dtype))
-                value_heads = ops.slice_update(
-                    cache["value"], start, ops.cast(value_heads, cache["value"].dtype)
-                )
+                key_heads = write_cache(cache["key"], cache_index, key_heads)
+                value_heads = write_cache(cache["value"], cache_index, value_heads)
                 cache = {"key": key_heads, "value": value_heads}
 
         visible = None

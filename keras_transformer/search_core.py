@@ -72,6 +72,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
+from keras_transformer.attention import compiling_with_xla
 from keras_transformer.decoding_settings import check_early_stopping
 from keras_transformer.tokenizer import PAD_ID
 
@@ -278,7 +279,7 @@ def search(
     if isinstance(beam_size, int) and isinstance(n_best, int) and not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be between 1 and beam_size ({beam_size}), got {n_best}.")
     check_early_stopping(early_stopping)
-    halve_batch = drop_done_rows and _compiling_with_xla()
+    halve_batch = drop_done_rows and compiling_with_xla()
     num_candidates = _num_candidates(beam_size)
 
     def with_rows_done(state: BeamState, rows: Rows) -> BeamState:
@@ -591,13 +592,6 @@ def _merge_finished(state, top_seq, new_scores, length, beam_size):
         tf.gather(lengths, chosen, batch_dims=1),
         tf.gather(flags, chosen, batch_dims=1),
     )
-
-
-def _compiling_with_xla():
-    """Whether the ops being made are for an XLA computation (`tf.function(jit_compile=True)`)."""
-    from tensorflow.python.ops import control_flow_util  # What tf.while_loop itself asks.
-
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def _finished(state: BeamState) -> Finished:

@@ -215,6 +215,11 @@ def test_the_translator_translates_like_beam_search_with_the_models_own_weights(
 def test_a_process_with_only_tensorflow_translates_like_the_in_process_translator(
     exported, translator, sentences, tmp_path
 ):
+    """As TF Serving runs the export by default: without this package, and with XLA compilation disabled.
+
+    The graph-mode search's cache writes used to be XLA ops, which TensorFlow runs outside
+    XLA by compiling them on demand: TF Serving answered "XLA compilation disabled".
+    """
     options = {"beam_size": 2, "alpha": 1.0, "max_length": 0, "min_length": -1}
     requests = tmp_path / "requests.json"
     results = tmp_path / "results.json"
