@@ -6,9 +6,9 @@ DUMP_DIR REQUESTS_JSON RESULTS_JSON`. REQUESTS_JSON holds a list of batches of s
 (each the base64 of its bytes: a server must survive bytes that are not UTF-8);
 RESULTS_JSON receives, for each in turn, `serving_default`'s outputs and how many times
 the beam search (the translator's `_search`, whose XLA module is named after it) had been
-compiled by then: XLA dumps each module it compiles once, before optimizing it. The
-graph-mode search compiles modules too, one per shape of its `XlaDynamicUpdateSlice`
-cache writes (TensorFlow runs XLA ops outside XLA so): these are not counted.
+compiled by then: XLA dumps each module it compiles once, before optimizing it. (That the
+graph-mode search compiles nothing is test_export.py's standalone test, which disables
+XLA compilation.)
 """
 
 import base64
