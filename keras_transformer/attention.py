@@ -59,9 +59,10 @@ def check_cache_room(cache, cache_index, new_length):
     """Raises unless `new_length` tokens written at `cache_index` fit in the cache.
 
     A dynamic-update-slice (`write_cache` under XLA) clamps a write that runs past the
-    end, so an overflow would silently overwrite the last slots. Known in Python (eagerly, or static values), it
-    is a ValueError now; otherwise the returned graph assertion fails when run (XLA
-    drops assertions: the beam search sizes its caches itself).
+    end, so an overflow would silently overwrite the last slots. Known in Python
+    (eagerly, or static values), it is a ValueError now; otherwise the returned graph
+    assertion fails when run (XLA drops assertions: the beam search sizes its caches
+    itself).
 
     Returns:
         `None`, or the assertion op to run before the write.
