@@ -18,6 +18,7 @@ from pathlib import Path
 
 import tensorflow as tf
 import tensorflow_text  # noqa: F401  Registers the SentencePiece ops.
+from standalone_translate import as_json  # tests/, this script's directory, is on sys.path
 
 
 def search_compilations(dump_dir):
@@ -30,11 +31,7 @@ def main(export_dir, dump_dir, requests_path, results_path):
     for batch in json.loads(Path(requests_path).read_text()):
         text = tf.constant([base64.b64decode(sentence) for sentence in batch], dtype=tf.string)
         outputs = serving_default(text=text)
-        results.append({
-            "translation": [text.decode("utf-8") for text in outputs["translation"].numpy()],
-            "score": outputs["score"].numpy().tolist(),
-            "search_compilations": search_compilations(dump_dir),
-        })
+        results.append({**as_json(outputs), "search_compilations": search_compilations(dump_dir)})
     Path(results_path).write_text(json.dumps(results))
 
 
