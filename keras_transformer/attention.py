@@ -55,6 +55,27 @@ def _as_matrix(initializer, input_rank):
     return initialize
 
 
+def _drawn_apart(initializer, index):
+    """A copy of `initializer` for the layer's `index`-th weight of its kind.
+
+    A Keras 3 initializer made without a seed fixes one when it is made, so a single
+    instance draws the same values for every weight: the query, key, value and output
+    kernels would start out equal. As in `keras.layers.MultiHeadAttention`, each weight
+    gets a copy made from the config (a new seed when it has none); a seeded one's copies
+    get `seed + index`, so that a seed makes the kernels reproducible, not equal. One
+    seeded with a `SeedGenerator`, whose state moves on with every draw, is kept.
+    """
+    if not isinstance(initializer, keras.initializers.Initializer):
+        return initializer  # a plain callable of `(shape, dtype)` draws as it likes
+    config = initializer.get_config()
+    seed = config.get("seed")
+    if seed is not None and not isinstance(seed, int):
+        return initializer
+    if seed is not None:
+        config["seed"] = seed + index
+    return initializer.__class__.from_config(config)
+
+
 def check_cache_room(cache, cache_index, new_length):
     """Raises unless `new_length` tokens written at `cache_index` fit in the cache.
 
@@ -273,33 +294,37 @@ class MultiHeadAttention(keras.layers.Layer):
             self._key_dim = self.key_dim
         self._value_dim = self.value_dim or self._key_dim
         self._output_dim = self.output_dim or d_model
-        self.query_kernel, self.query_bias = self._add_projection("query", d_model, self._key_dim)
-        self.key_kernel, self.key_bias = self._add_projection("key", key_shape[-1], self._key_dim)
+        self.query_kernel, self.query_bias = self._add_projection("query", 0, d_model, self._key_dim)
+        self.key_kernel, self.key_bias = self._add_projection("key", 1, key_shape[-1], self._key_dim)
         self.value_kernel, self.value_bias = self._add_projection(
-            "value", value_shape[-1], self._value_dim
+            "value", 2, value_shape[-1], self._value_dim
         )
         self.output_kernel = self.add_weight(
             name="output_kernel",
             shape=(self.num_heads, self._value_dim, self._output_dim),
-            initializer=_as_matrix(self.kernel_initializer, input_rank=2),
+            initializer=_as_matrix(_drawn_apart(self.kernel_initializer, 3), input_rank=2),
         )
         self.output_bias = (
-            self.add_weight(name="output_bias", shape=(self._output_dim,), initializer=self.bias_initializer)
+            self.add_weight(
+                name="output_bias", shape=(self._output_dim,), initializer=_drawn_apart(self.bias_initializer, 3)
+            )
             if self.use_bias
             else None
         )
         self.built = True
 
-    def _add_projection(self, name, input_dim, head_dim):
+    def _add_projection(self, name, index, input_dim, head_dim):
         kernel = self.add_weight(
             name=f"{name}_kernel",
             shape=(input_dim, self.num_heads, head_dim),
-            initializer=_as_matrix(self.kernel_initializer, input_rank=1),
+            initializer=_as_matrix(_drawn_apart(self.kernel_initializer, index), input_rank=1),
         )
         bias = None
         if self.use_bias:
             bias = self.add_weight(
-                name=f"{name}_bias", shape=(self.num_heads, head_dim), initializer=self.bias_initializer
+                name=f"{name}_bias",
+                shape=(self.num_heads, head_dim),
+                initializer=_drawn_apart(self.bias_initializer, index),
             )
         return kernel, bias
 

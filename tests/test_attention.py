@@ -311,6 +311,53 @@ def test_a_user_initializer_draws_each_kernel_as_its_matrix():
         np.testing.assert_allclose(matrix.T @ matrix, np.eye(32), atol=1e-5)
 
 
+def _largest_correlation(kernels):
+    """The largest |correlation| between two of `kernels`, flattened (0 for independent draws)."""
+    flat = [np.asarray(k).ravel() for k in kernels]
+    return max(abs(np.corrcoef(a, b)[0, 1]) for i, a in enumerate(flat) for b in flat[i + 1 :])
+
+
+def _own_position_attention(layer, x):
+    """The mean attention weight each query gives its own position."""
+    _, scores = layer(x, x, return_attention_scores=True)
+    return np.diagonal(np.asarray(scores), axis1=-2, axis2=-1).mean()
+
+
+@pytest.mark.parametrize(
+    "initializer",
+    [
+        "glorot_uniform",
+        keras.initializers.GlorotUniform(),
+        keras.initializers.Orthogonal(seed=1),
+        keras.initializers.GlorotUniform(seed=keras.random.SeedGenerator(3)),
+    ],
+    ids=["by-name", "unseeded-instance", "seeded", "seed-generator"],
+)
+def test_each_kernel_starts_from_a_draw_of_its_own(initializer):
+    """Query, key, value and output kernels are independent draws: a fresh layer attends to its
+    inputs about as evenly as Keras's layer with an unseeded initializer of the kind. One unseeded
+    Keras 3 initializer gave all four the same values, and each query about 80% attention to its
+    own position."""
+    x = np.random.default_rng(0).normal(size=(8, 20, 128)).astype("float32")
+    ours = MultiHeadAttention(4, kernel_initializer=initializer)
+    kind = keras.initializers.get(initializer).__class__
+    theirs = keras.layers.MultiHeadAttention(4, key_dim=32, kernel_initializer=kind())
+    ours_focus, theirs_focus = _own_position_attention(ours, x), _own_position_attention(theirs, x)
+    kernels = [ours.query_kernel, ours.key_kernel, ours.value_kernel, ours.output_kernel]
+    assert _largest_correlation(kernels) < 0.05
+    assert ours_focus == pytest.approx(theirs_focus, abs=0.02)
+
+
+def test_a_seeded_initializer_gives_the_same_kernels_again():
+    """Drawn apart, but reproducible: seed + the kernel's index."""
+    x = np.zeros((1, 3, 32), "float32")
+    layers = [MultiHeadAttention(4, kernel_initializer=keras.initializers.GlorotUniform(seed=7)) for _ in range(2)]
+    for layer in layers:
+        layer(x, x)
+    for first, second in zip(layers[0].weights, layers[1].weights, strict=True):
+        np.testing.assert_array_equal(first, second)
+
+
 # What code written for keras.layers.MultiHeadAttention typically passes.
 KERAS_KWARGS = dict(
     num_heads=2,
