@@ -6,7 +6,8 @@ Data flows one way: text -> `tokenizer` -> `data` (tf.data) -> `model` -> `decod
 The names below are loaded when first used: `import keras_transformer` does not import
 TensorFlow, so that a command can choose TensorFlow's CPU kernels first
 (`keras_transformer.cpu_kernels`). `from keras_transformer import Transformer` loads
-what it needs, as does every submodule import.
+what it needs, as does every submodule import; any layer, the loss or the schedule
+loads all the classes a `.keras` file may name.
 """
 
 import importlib
@@ -65,9 +66,17 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
+# The modules whose classes `.keras` files name (registered with Keras). Loading a name
+# from any of them loads them all, so that a file saved with any of those classes (a
+# compiled model names its loss and learning-rate schedule too) loads after one import.
+_SERIALIZABLE = ("attention", "blocks", "dropout", "embeddings", "losses", "model", "schedule")
+
 
 def __getattr__(name):
     if name in _EXPORTS:
+        if _EXPORTS[name] in _SERIALIZABLE:
+            for module in _SERIALIZABLE:
+                importlib.import_module(f"{__name__}.{module}")
         value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
         globals()[name] = value  # Loaded once.
         return value

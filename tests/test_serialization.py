@@ -14,11 +14,14 @@ from keras_transformer import (
     Encoder,
     EncoderLayer,
     FeedForward,
+    FusedAdam,
+    LabelSmoothedCrossEntropy,
     LayerNormalization,
     MultiHeadAttention,
     PositionalEncoding,
     SharedEmbedding,
     Transformer,
+    TransformerSchedule,
 )
 
 
@@ -133,9 +136,16 @@ def test_layers_train_inside_a_functional_model_and_save(tmp_path):
     np.testing.assert_allclose(restored.predict(ids, verbose=0), model.predict(ids, verbose=0), atol=1e-5)
 
 
-def test_transformer_round_trips_through_a_keras_file_in_a_new_process(tmp_path):
+def test_a_compiled_transformer_round_trips_through_a_keras_file_in_a_new_process(tmp_path):
+    """As README says: after `from keras_transformer import Transformer`, a `.keras` file of a model
+    compiled with the package's loss, optimizer and schedule loads, compiled, with the same outputs
+    (the loss and schedule were not registered by that import, so loading failed)."""
     keras.utils.set_random_seed(0)
     model = Transformer.from_preset("tiny", vocab_size=60, norm_first=True)
+    model.compile(
+        optimizer=FusedAdam(TransformerSchedule(d_model=64, warmup_steps=10)),
+        loss=LabelSmoothedCrossEntropy(label_smoothing=0.2),
+    )
     rng = np.random.default_rng(0)
     source = rng.integers(1, 60, size=(3, 7)).astype("int32")
     target = rng.integers(1, 60, size=(3, 5)).astype("int32")
@@ -146,10 +156,13 @@ def test_transformer_round_trips_through_a_keras_file_in_a_new_process(tmp_path)
     script = textwrap.dedent(
         f"""
         import numpy as np, keras
-        import keras_transformer.model  # registers the layers (`import keras_transformer` loads nothing yet)
+        from keras_transformer import Transformer  # what README says to import first
         data = np.load({str(tmp_path / 'inputs.npz')!r})
         model = keras.saving.load_model({str(tmp_path / 'model.keras')!r})
         assert type(model).__name__ == "Transformer", type(model)
+        assert type(model.loss).__name__ == "LabelSmoothedCrossEntropy", model.loss
+        assert model.loss.label_smoothing == 0.2, model.loss.label_smoothing
+        assert type(model.optimizer._learning_rate).__name__ == "TransformerSchedule", model.optimizer
         got = np.asarray(model((data["source"], data["target"])))
         np.testing.assert_allclose(got, data["expected"], atol=1e-5)  # another process may round otherwise
         print("same outputs")
