@@ -161,12 +161,19 @@ class MultiHeadAttention(keras.layers.Layer):
             kernel initializer draws each kernel as the 2-D matrix it stands for
             (`[d_model, num_heads * key_dim]`, and `[num_heads * value_dim, output_dim]`
             for the output), so Glorot's fans are the paper's and Keras's.
-        dropout, output_shape, seed: Keyword arguments of
-            `keras.layers.MultiHeadAttention`, so that code written for it runs with
-            this layer: `dropout` is `dropout_rate`, `output_shape` is `output_dim`
+        kernel_regularizer, bias_regularizer, kernel_constraint, bias_constraint:
+            Regularizers and constraints of the projections' kernels and biases, as
+            in `keras.layers.MultiHeadAttention`.
+        dropout, output_shape, seed, attention_axes, flash_attention: Keyword
+            arguments of `keras.layers.MultiHeadAttention`, so that code written for
+            it runs with this layer (pass the arguments after `key_dim` by keyword:
+            Keras's fourth positional argument is `dropout`, this layer's
+            `output_dim`). `dropout` is `dropout_rate`, `output_shape` is `output_dim`
             given as an int or a 1-tuple (the output is one vector per position),
             and `seed` seeds the attention dropout. Giving an argument under both
-            names is an error.
+            names is an error. Attention runs over the sequence axis only
+            (`attention_axes` `None`), without a flash-attention kernel
+            (`flash_attention` `None` or `False`).
         **kwargs: Base `keras.layers.Layer` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -198,13 +205,14 @@ class MultiHeadAttention(keras.layers.Layer):
             memory's rows.
         cache_index: Scalar int position at which `value`'s first token is
             written into the cache.
-        value_mask, key_mask: Keras masks `[batch, source_length]` (`True` for real
-            tokens), which Keras fills in from the inputs' masks (e.g. from
+        query_mask, value_mask, key_mask: Keras masks `[batch, length]` (`True` for
+            real tokens), which Keras fills in from the inputs' masks (e.g. from
             `Embedding(mask_zero=True)`), as for `keras.layers.MultiHeadAttention`:
-            they hide padded keys, together with `attention_mask`. The output keeps
-            the query's Keras mask. Unlike Keras's layer, this one does not also mask
-            out the rows of padded queries: they attend to the real keys (the outputs
-            at real positions are the same). Ignored with a fixed-memory cache, like
+            `value_mask` and `key_mask` hide padded keys, together with
+            `attention_mask`. The output keeps the query's Keras mask. Unlike Keras's
+            layer, this one does not also mask out the rows of padded queries
+            (`query_mask` is accepted and left unused): they attend to the real keys
+            (the outputs at real positions are the same). Ignored with a fixed-memory cache, like
             `value` and `key`; not allowed with `cache_index`.
 
     Returns:
@@ -224,12 +232,24 @@ class MultiHeadAttention(keras.layers.Layer):
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         *,
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
         dropout=None,
         output_shape=None,
         seed=None,
+        attention_axes=None,
+        flash_attention=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if attention_axes is not None:
+            raise ValueError(
+                f"attention_axes must be None: this layer attends over the sequence axis only, got {attention_axes!r}."
+            )
+        if flash_attention:
+            raise ValueError("flash_attention must be None or False: this layer has no flash-attention kernel.")
         # Keras's names: each is resolved to ours, and named in errors as the caller named it.
         rate_name, dim_name = "dropout_rate", "output_dim"
         if dropout is not None:
@@ -269,6 +289,10 @@ class MultiHeadAttention(keras.layers.Layer):
         self.use_bias = use_bias
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
+        self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        self.bias_constraint = keras.constraints.get(bias_constraint)
         self.seed = seed
         self.dropout = Dropout(dropout_rate, seed=seed, dtype=self.dtype_policy)
         self.supports_masking = True  # reads the Keras masks of values and keys; the output keeps the query's
@@ -303,14 +327,10 @@ class MultiHeadAttention(keras.layers.Layer):
             name="output_kernel",
             shape=(self.num_heads, self._value_dim, self._output_dim),
             initializer=_as_matrix(_drawn_apart(self.kernel_initializer, 3), input_rank=2),
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
         )
-        self.output_bias = (
-            self.add_weight(
-                name="output_bias", shape=(self._output_dim,), initializer=_drawn_apart(self.bias_initializer, 3)
-            )
-            if self.use_bias
-            else None
-        )
+        self.output_bias = self._add_bias("output_bias", 3, (self._output_dim,)) if self.use_bias else None
         self.built = True
 
     def _add_projection(self, name, index, input_dim, head_dim):
@@ -318,15 +338,20 @@ class MultiHeadAttention(keras.layers.Layer):
             name=f"{name}_kernel",
             shape=(input_dim, self.num_heads, head_dim),
             initializer=_as_matrix(_drawn_apart(self.kernel_initializer, index), input_rank=1),
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
         )
-        bias = None
-        if self.use_bias:
-            bias = self.add_weight(
-                name=f"{name}_bias",
-                shape=(self.num_heads, head_dim),
-                initializer=_drawn_apart(self.bias_initializer, index),
-            )
+        bias = self._add_bias(f"{name}_bias", index, (self.num_heads, head_dim)) if self.use_bias else None
         return kernel, bias
+
+    def _add_bias(self, name, index, shape):
+        return self.add_weight(
+            name=name,
+            shape=shape,
+            initializer=_drawn_apart(self.bias_initializer, index),
+            regularizer=self.bias_regularizer,
+            constraint=self.bias_constraint,
+        )
 
     @staticmethod
     def _project(x, kernel, bias):
@@ -456,6 +481,7 @@ class MultiHeadAttention(keras.layers.Layer):
         training=None,
         cache=None,
         cache_index=None,
+        query_mask=None,
         value_mask=None,
         key_mask=None,
     ):
@@ -581,6 +607,7 @@ class MultiHeadAttention(keras.layers.Layer):
         training=None,
         cache=None,
         cache_index=None,
+        query_mask=None,
         value_mask=None,
         key_mask=None,
     ):
@@ -610,6 +637,10 @@ class MultiHeadAttention(keras.layers.Layer):
                 "use_bias": self.use_bias,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
+                "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
+                "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
+                "bias_constraint": keras.constraints.serialize(self.bias_constraint),
                 "seed": self.seed,
             }
         )

@@ -368,7 +368,13 @@ KERAS_KWARGS = dict(
     use_bias=True,
     kernel_initializer="he_normal",
     bias_initializer="zeros",
+    kernel_regularizer="l2",
+    bias_regularizer=keras.regularizers.L1(0.05),
+    kernel_constraint="max_norm",
+    bias_constraint=None,
     seed=5,
+    attention_axes=None,
+    flash_attention=False,
 )
 
 
@@ -392,8 +398,38 @@ def test_keras_argument_names_give_the_layer_keras_gives(output_shape):
     np.testing.assert_allclose(out, theirs(query, value, training=False), atol=1e-5)
     assert (ours.dropout_rate, ours.dropout.rate, ours.output_dim, ours.seed) == (0.1, 0.1, 16, 5)
     assert not np.allclose(ours(query, value, training=True), out, atol=1e-4)  # the attention dropout is on
+    np.testing.assert_allclose(sum(ours.losses), sum(theirs.losses), rtol=1e-6)  # the regularizers' penalty
     restored = MultiHeadAttention.from_config(ours.get_config())
     assert restored.get_config() == ours.get_config()
+
+
+def test_a_training_step_with_regularizers_and_constraints_is_keras_layers_step():
+    """Regularizers add to the loss and constraints act after the update, as in Keras's layer: from
+    the same weights, one SGD step of a model around each layer gives the same weights."""
+    kwargs = dict(
+        num_heads=2,
+        key_dim=4,
+        kernel_regularizer=keras.regularizers.L2(0.1),
+        bias_regularizer="l1",
+        kernel_constraint=keras.constraints.MaxNorm(0.4, axis=0),
+        bias_constraint="non_neg",
+    )
+    rng = np.random.default_rng(3)
+    query, value = rng.normal(size=(4, 5, 8)).astype("float32"), rng.normal(size=(4, 6, 8)).astype("float32")
+    targets = rng.normal(size=(4, 5, 8)).astype("float32")
+    weights = None
+    trained = []
+    for layer in (MultiHeadAttention(**kwargs), keras.layers.MultiHeadAttention(**kwargs)):
+        inputs = [keras.Input((5, 8)), keras.Input((6, 8))]
+        model = keras.Model(inputs, layer(*inputs))
+        weights = weights or [rng.normal(size=w.shape).astype("float32") for w in layer.get_weights()]
+        layer.set_weights(weights)
+        model.compile(keras.optimizers.SGD(0.5), "mse")
+        model.fit([query, value], targets, batch_size=4, epochs=1, verbose=0)
+        trained.append(layer.get_weights())
+    for ours, theirs, before in zip(*trained, weights, strict=True):
+        assert not np.allclose(ours, before)
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -405,6 +441,8 @@ def test_keras_argument_names_give_the_layer_keras_gives(output_shape):
         ({"output_shape": ()}, r"output_shape must be an int or a 1-tuple"),
         ({"output_shape": (0,)}, "output_shape must be a positive integer"),
         ({"dropout": 1.5}, r"dropout must be in \[0, 1\)"),
+        ({"attention_axes": (1,)}, r"attention_axes must be None.*\(1,\)"),
+        ({"flash_attention": True}, "flash_attention must be None or False"),
     ],
 )
 def test_keras_argument_names_given_badly_are_clear_errors(kwargs, message):
