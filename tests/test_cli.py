@@ -2,6 +2,7 @@
 
 import io
 import os
+import threading
 
 import pytest
 import tensorflow as tf
@@ -154,6 +155,8 @@ def test_translate_refuses_an_early_stop_for_a_saved_model(capsys):
     [
         (["--beam-size", "0"], "--beam-size must be at least 1."),
         (["--alpha", "-0.5"], "--alpha must be 0 or more."),
+        (["--alpha", "nan"], "--alpha must be a finite number, got nan."),
+        (["--alpha", "inf"], "--alpha must be a finite number, got inf."),
         (["--max-length", "0"], "--max-length must be at least 1."),
     ],
 )
@@ -251,6 +254,39 @@ def test_ctrl_c_ends_translate_in_one_line_and_keeps_what_it_wrote(tmp_path, cap
     assert output.read_text() == "Ein Hund.\n"
 
 
+def _fake_translator(cli, monkeypatch):
+    """`translate.py` with a model that translates "A dog." and "A cat." (no TensorFlow model loaded)."""
+    german = {b"A dog.": b"Ein Hund.", b"A cat.": b"Eine Katze."}
+    monkeypatch.setattr(cli, "load_translator", lambda args: (None, None))
+    monkeypatch.setattr(
+        cli,
+        "translate_fn",
+        lambda signatures, args: lambda text: {"translation": tf.constant([german[t] for t in text.numpy()])},
+    )
+
+
+def test_translate_writes_to_an_output_that_is_a_pipe(tmp_path, capsys, monkeypatch):
+    """`--output >(gzip > f)` and the like: a pipe has nothing to empty (truncating it failed, and
+    nothing was written)."""
+    cli = load_translate_cli()
+    _fake_translator(cli, monkeypatch)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()))
+    reader.start()
+    exit_code = cli.main(["--run-dir", "r", "--batch-size", "1", "--output", str(fifo), "A dog.", "A cat."])
+    reader.join(timeout=60)
+    assert exit_code == 0, capsys.readouterr().err
+    assert received == ["Ein Hund.\nEine Katze.\n"]
+
+
+def test_translate_writes_to_an_output_that_is_a_device(capsys, monkeypatch):
+    cli = load_translate_cli()
+    _fake_translator(cli, monkeypatch)
+    assert cli.main(["--run-dir", "r", "--output", os.devnull, "A dog."]) == 0, capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -283,6 +319,25 @@ def test_export_flags_out_of_range_are_usage_errors(capsys, flags, message):
     with pytest.raises(SystemExit) as raised:
         export.parse_args(["--run-dir", "r", "--out", "o", *flags])
     assert raised.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("format_flags", [[], ["--format", "ctranslate2"]])
+def test_export_paths_that_cannot_serve_are_usage_errors_naming_the_flag(tmp_path, capsys, format_flags):
+    """Found before the model loads: an --out that is a file, an unreadable --check-file."""
+    from keras_transformer.cli import export
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for flags, message in [
+        (["--out", str(a_file)], f"--out {a_file} is a file: give the directory to export to."),
+        (
+            ["--out", str(tmp_path / "o"), "--check-file", str(tmp_path / "missing.en")],
+            f"cannot read --check-file {tmp_path / 'missing.en'}: No such file or directory.",
+        ),
+    ]:
+        with pytest.raises(SystemExit) as raised:
+            export.parse_args(["--run-dir", "r", *format_flags, *flags])
+        assert raised.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_export_without_a_vocabulary(run, tmp_path, capsys):

@@ -229,6 +229,7 @@ def test_client_cli_reports_a_beam_size_the_server_refuses(rest_server, sentence
     [
         (["--beam-size", "0"], "--beam-size must be at least 1."),
         (["--alpha", "-2"], "--alpha must be 0 or more."),
+        (["--alpha", "nan"], "--alpha must be a finite number, got nan."),
         (["--max-length", "-3"], "--max-length must be at least 1."),
         (["--scores", "--n-best"], "--scores or --n-best"),
     ],

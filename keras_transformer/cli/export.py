@@ -13,6 +13,7 @@ The libraries are `keras_transformer.saved_model` and `keras_transformer.ctransl
 
 import argparse
 import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -128,6 +129,12 @@ def parse_args(argv=None):
         parser.error("--check-lines must be 0 or more.")
     if args.check_lines is None:
         args.check_lines = DEFAULT_CHECK_LINES
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out} is a file: give the directory to export to.")
+    try:  # read now, before the model loads, so that a bad path fails at once
+        args.check_sentences = read_check_sentences(args.check_file, args.check_lines)
+    except OSError as error:
+        parser.error(f"cannot read --check-file {args.check_file}: {error.strerror or error}.")
     xla_batch.check(parser, args)
     if args.format == "ctranslate2":
         given = [name for name in SAVEDMODEL_FLAGS if getattr(args, name) not in (None, False)]
@@ -181,7 +188,7 @@ def main(argv=None):
             version=args.version,
             which=args.checkpoint,
             model_name=args.model_name,
-            check_sentences=read_check_sentences(args.check_file, args.check_lines),
+            check_sentences=args.check_sentences,
             decoding=decoding_settings(args),
             max_source_length=args.max_source_length,
             jit_compile=args.jit_compile,
@@ -205,7 +212,7 @@ def export_ctranslate2(args):
             args.run_dir,
             args.out,
             which=args.checkpoint,
-            check_sentences=read_check_sentences(args.check_file, args.check_lines),
+            check_sentences=args.check_sentences,
         )
     except (ExportError, RunDirError, ImportError, ValueError, OSError) as error:
         print(f"export failed: {error}", file=sys.stderr)

@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import os
 import re
+import stat
 import sys
 import time
 from pathlib import Path
@@ -274,13 +275,15 @@ class OutputFile:
 
     Opened for appending, which fails at once on a path that cannot be written but keeps
     what the file holds: a model that does not load, or refuses the first batch, leaves
-    the file as it was. Use it as a context manager.
+    the file as it was. Only a regular file is emptied: a pipe or a device (`>(gzip > f)`,
+    `/dev/stdout`) has nothing to empty and cannot be truncated. Use it as a context
+    manager.
     """
 
     def __init__(self, path):
         self.path = path
         self._file = open(path, "a", encoding="utf-8")
-        self._emptied = False
+        self._emptied = not stat.S_ISREG(os.fstat(self._file.fileno()).st_mode)
 
     def stream(self):
         """The file as a text stream, emptied at the first call."""
