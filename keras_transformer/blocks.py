@@ -82,17 +82,18 @@ class LayerNormalization(keras.layers.LayerNormalization):
 
 
 def _layer_norm_last_axis(x, gamma, beta, epsilon):
-    """LayerNorm of `x` over its last axis in float32, with the closed-form gradient."""
+    """LayerNorm of `x` over its last axis in float32 (float64 for float64 `x`), with the closed-form gradient."""
+    dtype = tf.float64 if x.dtype == tf.float64 else tf.float32
 
     @tf.custom_gradient
     def normalize(x, gamma, beta):
-        x32 = tf.cast(x, tf.float32)
-        centered = x32 - tf.reduce_mean(x32, axis=-1, keepdims=True)
+        x_wide = tf.cast(x, dtype)
+        centered = x_wide - tf.reduce_mean(x_wide, axis=-1, keepdims=True)
         inv_std = tf.math.rsqrt(tf.reduce_mean(tf.square(centered), axis=-1, keepdims=True) + epsilon)
         x_hat = centered * inv_std
 
         def gradient(dy):
-            dy = tf.cast(dy, tf.float32)
+            dy = tf.cast(dy, dtype)
             g = dy * gamma
             mean_g = tf.reduce_mean(g, axis=-1, keepdims=True)
             mean_g_x_hat = tf.reduce_mean(g * x_hat, axis=-1, keepdims=True)
@@ -102,7 +103,7 @@ def _layer_norm_last_axis(x, gamma, beta, epsilon):
 
         return x_hat * gamma + beta, gradient
 
-    return normalize(x, tf.cast(gamma, tf.float32), tf.cast(beta, tf.float32))
+    return normalize(x, tf.cast(gamma, dtype), tf.cast(beta, dtype))
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
