@@ -212,8 +212,9 @@ class MultiHeadAttention(keras.layers.Layer):
             `attention_mask`. The output keeps the query's Keras mask. Unlike Keras's
             layer, this one does not also mask out the rows of padded queries
             (`query_mask` is accepted and left unused): they attend to the real keys
-            (the outputs at real positions are the same). Ignored with a fixed-memory cache, like
-            `value` and `key`; not allowed with `cache_index`.
+            (the outputs at real positions are the same). `value_mask` and `key_mask`
+            are ignored with a fixed-memory cache, like `value` and `key`, and not
+            allowed with `cache_index`.
 
     Returns:
         `output` `[batch, target_length, output_dim]`; followed by the attention

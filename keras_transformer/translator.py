@@ -242,6 +242,7 @@ class Translator(tf.Module):
                 InvalidArgumentError); 0 or less for `translate`'s own. Also the number
                 of hypotheses returned per sentence.
             alpha: float32 scalar, the length penalty; negative for `translate`'s own.
+                NaN or infinity is an InvalidArgumentError.
             max_length: int32 scalar, the output cap (`beam_search`'s
                 `max_output_length`: most output tokens, EOS included, on top of the
                 source length + `max_extra_length` limit); 0 or less for no extra cap.
@@ -258,11 +259,13 @@ class Translator(tf.Module):
         # Unset means `translate`'s settings: a client of an exported model has no other
         # way to ask for them, as they are not in the signature.
         beam_size = _own_if_unset(signature_table.BEAM_SIZE, beam_size, self.decoding.beam_size)
-        # Refused, not clipped: a client asking for 17 hypotheses must not get 16 unawares.
-        beam_size_allowed = tf.debugging.assert_less_equal(
-            beam_size, MAX_BEAM_SIZE, message=f"beam_size is at most {MAX_BEAM_SIZE}"
-        )
-        with tf.control_dependencies([beam_size_allowed]):  # Before any decoding.
+        allowed = [
+            # Refused, not clipped: a client asking for 17 hypotheses must not get 16 unawares.
+            tf.debugging.assert_less_equal(beam_size, MAX_BEAM_SIZE, message=f"beam_size is at most {MAX_BEAM_SIZE}"),
+            # NaN is below no bound, so the unset rule would quietly read it as unset.
+            tf.debugging.Assert(tf.math.is_finite(alpha), ["alpha must be a finite number"]),
+        ]
+        with tf.control_dependencies(allowed):  # Before any decoding.
             beam_size = tf.identity(beam_size)
         alpha = _own_if_unset(signature_table.ALPHA, alpha, self.decoding.alpha)
         max_length = _own_if_unset(signature_table.MAX_LENGTH, max_length, tf.int32.max)

@@ -408,6 +408,9 @@ def test_a_beam_over_the_limit_is_refused_and_other_options_out_of_range_are_uns
     signature = served["translate_with_options"]
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"beam_size is at most 16"):
         translate(signature, sentences[:2], beam_size=17, alpha=0.6, max_length=0)
+    for alpha in (float("nan"), float("inf")):  # NaN was read as unset: the model's own alpha
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"alpha must be a finite number"):
+            translate(signature, sentences[:2], beam_size=4, alpha=alpha, max_length=0)
     for beam_size, width in ((16, 16), (-3, 4)):  # -3: unset, serving_default's 4
         outputs = translate(
             signature, sentences[:2] + [BAD_INPUTS[0]], beam_size=beam_size, alpha=0.6, max_length=0
