@@ -265,6 +265,15 @@ def _fake_translator(cli, monkeypatch):
     )
 
 
+def test_translate_refuses_an_attention_path_it_cannot_write_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    cli = load_translate_cli()
+    monkeypatch.setattr(cli, "load_translator", lambda args: pytest.fail("the model was loaded"))
+    path = tmp_path / "missing" / "dog.png"
+    exit_code = cli.main(["--run-dir", "r", "--attention", str(path), "A dog."])
+    message = f"cannot write --attention {path}: {path.parent} is not a writable directory."
+    _assert_translate_error(exit_code, capsys.readouterr().err, message)
+
+
 def test_translate_writes_to_an_output_that_is_a_pipe(tmp_path, capsys, monkeypatch):
     """`--output >(gzip > f)` and the like: a pipe has nothing to empty (truncating it failed, and
     nothing was written)."""

@@ -371,6 +371,10 @@ def _translate(args):
         output = open_output(args)
     except OSError as error:
         return fail(f"cannot write --output {args.output}: {error.strerror or error}.")
+    if args.attention:  # Checked now: the picture is drawn after the model has loaded and translated.
+        folder = os.path.dirname(os.path.abspath(args.attention))
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            return fail(f"cannot write --attention {args.attention}: {folder} is not a writable directory.")
     with contextlib.ExitStack() as closing:
         for opened in (stream if args.input else None, output):  # The files opened here, not stdin.
             if opened is not None:
