@@ -161,6 +161,13 @@ class MultiHeadAttention(keras.layers.Layer):
             kernel initializer draws each kernel as the 2-D matrix it stands for
             (`[d_model, num_heads * key_dim]`, and `[num_heads * value_dim, output_dim]`
             for the output), so Glorot's fans are the paper's and Keras's.
+        tied_attention_init: Draw the query, key, value and output kernels from one
+            seed, so that kernels of one shape start out equal (as this layer did by
+            accident until 2026-11-28). Equal query and key kernels make each
+            position attend mostly to itself at first, a crude form of Trockman and
+            Kolter's (2023) "mimetic" initialisation: short training runs on small
+            data may learn faster. Default: each its own draw, as in the paper and
+            `keras.layers.MultiHeadAttention`.
         kernel_regularizer, bias_regularizer, kernel_constraint, bias_constraint:
             Regularizers and constraints of the projections' kernels and biases, as
             in `keras.layers.MultiHeadAttention`.
@@ -233,6 +240,7 @@ class MultiHeadAttention(keras.layers.Layer):
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         *,
+        tied_attention_init=False,
         kernel_regularizer=None,
         bias_regularizer=None,
         kernel_constraint=None,
@@ -294,6 +302,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.bias_regularizer = keras.regularizers.get(bias_regularizer)
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
         self.bias_constraint = keras.constraints.get(bias_constraint)
+        self.tied_attention_init = tied_attention_init
         self.seed = seed
         self.dropout = Dropout(dropout_rate, seed=seed, dtype=self.dtype_policy)
         self.supports_masking = True  # reads the Keras masks of values and keys; the output keeps the query's
@@ -327,7 +336,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.output_kernel = self.add_weight(
             name="output_kernel",
             shape=(self.num_heads, self._value_dim, self._output_dim),
-            initializer=_as_matrix(_drawn_apart(self.kernel_initializer, 3), input_rank=2),
+            initializer=_as_matrix(self._own_initializer(self.kernel_initializer, 3), input_rank=2),
             regularizer=self.kernel_regularizer,
             constraint=self.kernel_constraint,
         )
@@ -338,18 +347,22 @@ class MultiHeadAttention(keras.layers.Layer):
         kernel = self.add_weight(
             name=f"{name}_kernel",
             shape=(input_dim, self.num_heads, head_dim),
-            initializer=_as_matrix(_drawn_apart(self.kernel_initializer, index), input_rank=1),
+            initializer=_as_matrix(self._own_initializer(self.kernel_initializer, index), input_rank=1),
             regularizer=self.kernel_regularizer,
             constraint=self.kernel_constraint,
         )
         bias = self._add_bias(f"{name}_bias", index, (self.num_heads, head_dim)) if self.use_bias else None
         return kernel, bias
 
+    def _own_initializer(self, initializer, index):
+        """The initializer of the layer's `index`-th weight of its kind (see `tied_attention_init`)."""
+        return initializer if self.tied_attention_init else _drawn_apart(initializer, index)
+
     def _add_bias(self, name, index, shape):
         return self.add_weight(
             name=name,
             shape=shape,
-            initializer=_drawn_apart(self.bias_initializer, index),
+            initializer=self._own_initializer(self.bias_initializer, index),
             regularizer=self.bias_regularizer,
             constraint=self.bias_constraint,
         )
@@ -636,6 +649,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 "output_dim": self.output_dim,
                 "dropout_rate": self.dropout_rate,
                 "use_bias": self.use_bias,
+                "tied_attention_init": self.tied_attention_init,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
                 "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),

@@ -167,6 +167,7 @@ class _ResidualBlock(keras.layers.Layer):
         norm_first=False,
         layer_norm_epsilon=1e-6,
         activation="relu",
+        tied_attention_init=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -178,10 +179,13 @@ class _ResidualBlock(keras.layers.Layer):
         self.norm_first = norm_first
         self.layer_norm_epsilon = layer_norm_epsilon
         self.activation = activation
+        self.tied_attention_init = tied_attention_init
         self.feed_forward = FeedForward(d_model, d_ff, activation, name="feed_forward", dtype=self.dtype_policy)
 
     def _attention(self, name):
-        return MultiHeadAttention(self.num_heads, name=name, dtype=self.dtype_policy)
+        return MultiHeadAttention(
+            self.num_heads, tied_attention_init=self.tied_attention_init, name=name, dtype=self.dtype_policy
+        )
 
     def _norm_and_dropout(self, name):
         norm = LayerNormalization(
@@ -233,6 +237,7 @@ class _ResidualBlock(keras.layers.Layer):
                 "norm_first": self.norm_first,
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "activation": self.activation,
+                "tied_attention_init": self.tied_attention_init,
             }
         )
         return config
@@ -259,6 +264,8 @@ class EncoderLayer(_ResidualBlock):
         norm_first: Pre-LN instead of the paper's post-LN.
         layer_norm_epsilon: LayerNorm epsilon.
         activation: Feed-forward activation (paper: ReLU).
+        tied_attention_init: Start the attention's four kernels from one draw (see
+            `MultiHeadAttention`).
         **kwargs: Base `keras.layers.Layer` arguments.
 
     Call arguments:

@@ -42,6 +42,7 @@ class _Stack(keras.layers.Layer):
         norm_first=False,
         layer_norm_epsilon=1e-6,
         activation="relu",
+        tied_attention_init=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -57,6 +58,7 @@ class _Stack(keras.layers.Layer):
         self.norm_first = norm_first
         self.layer_norm_epsilon = layer_norm_epsilon
         self.activation = activation
+        self.tied_attention_init = tied_attention_init
         # One attribute per layer, not a list: TensorFlow checkpoints (tf.train.Checkpoint)
         # do not see layers that Keras 3 holds in Python lists.
         for i in range(num_layers):
@@ -68,6 +70,7 @@ class _Stack(keras.layers.Layer):
                 norm_first=norm_first,
                 layer_norm_epsilon=layer_norm_epsilon,
                 activation=activation,
+                tied_attention_init=tied_attention_init,
                 name=f"layer_{i}",
                 dtype=self.dtype_policy,
             )
@@ -106,6 +109,7 @@ class _Stack(keras.layers.Layer):
                 "norm_first": self.norm_first,
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "activation": self.activation,
+                "tied_attention_init": self.tied_attention_init,
             }
         )
         return config
@@ -226,6 +230,8 @@ class Transformer(keras.Model):
             (default 1024). `max_length`, its name in configs saved before, is taken too.
         layer_norm_epsilon: LayerNorm epsilon.
         pad_id: Token id of padding, hidden from attention.
+        tied_attention_init: Start each attention layer's four kernels from one draw
+            (see `MultiHeadAttention`); the `medium` recipe does.
         **kwargs: Base `keras.Model` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -250,6 +256,7 @@ class Transformer(keras.Model):
         max_positions=None,
         layer_norm_epsilon=1e-6,
         pad_id=0,
+        tied_attention_init=False,
         **kwargs,
     ):
         max_positions = max_positions_argument(max_positions, kwargs)
@@ -266,6 +273,7 @@ class Transformer(keras.Model):
         self.max_positions = max_positions
         self.layer_norm_epsilon = layer_norm_epsilon
         self.pad_id = pad_id
+        self.tied_attention_init = tied_attention_init
 
         policy = self.dtype_policy
         self.embedding = SharedEmbedding(vocab_size, d_model, name="shared_embedding", dtype=policy)
@@ -281,6 +289,7 @@ class Transformer(keras.Model):
             dropout_rate=dropout_rate,
             norm_first=norm_first,
             layer_norm_epsilon=layer_norm_epsilon,
+            tied_attention_init=tied_attention_init,
             dtype=policy,
         )
         self.encoder = Encoder(name="encoder", **stack_args)
@@ -378,4 +387,5 @@ class Transformer(keras.Model):
             "max_positions": self.max_positions,
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "pad_id": self.pad_id,
+            "tied_attention_init": self.tied_attention_init,
         }

@@ -348,6 +348,19 @@ def test_each_kernel_starts_from_a_draw_of_its_own(initializer):
     assert ours_focus == pytest.approx(theirs_focus, abs=0.02)
 
 
+def test_tied_attention_init_starts_the_four_kernels_equal_and_round_trips():
+    """The opt-in start that the `medium` recipe uses: one draw for all four kernels, so each query
+    first attends mostly to itself; the config keeps the choice."""
+    x = np.random.default_rng(0).normal(size=(8, 20, 128)).astype("float32")
+    tied = MultiHeadAttention(4, tied_attention_init=True)
+    focus = _own_position_attention(tied, x)
+    matrices = [np.reshape(k, (128, 128)) for k in (tied.query_kernel, tied.key_kernel, tied.value_kernel)]
+    for matrix in matrices[1:] + [np.reshape(tied.output_kernel, (128, 128))]:
+        np.testing.assert_array_equal(matrix, matrices[0])
+    assert focus > 0.5  # uniform attention over 20 positions would give 0.05
+    assert MultiHeadAttention.from_config(tied.get_config()).tied_attention_init
+
+
 def test_a_seeded_initializer_gives_the_same_kernels_again():
     """Drawn apart, but reproducible: seed + the kernel's index."""
     x = np.zeros((1, 3, 32), "float32")

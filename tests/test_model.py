@@ -113,6 +113,19 @@ def test_no_two_kernels_of_a_new_model_start_alike():
                 assert abs(correlation) < 0.06, (first.path, second.path)
 
 
+def test_tied_attention_init_reaches_every_attention_layer_and_round_trips():
+    model = Transformer.from_preset("tiny", vocab_size=VOCAB, tied_attention_init=True)
+    model.build()
+    restored = Transformer.from_config(model.get_config())
+    restored.build()
+    for built in (model, restored):
+        layers = [block.self_attention for block in built.encoder.blocks + built.decoder.blocks]
+        layers += [block.cross_attention for block in built.decoder.blocks]
+        assert len(layers) == 6
+        for layer in layers:
+            np.testing.assert_array_equal(layer.query_kernel, layer.key_kernel)
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_keeps_logits_and_attention_in_float32(policy):
     model = Transformer.from_preset("tiny", vocab_size=VOCAB, dtype=policy)
