@@ -162,8 +162,8 @@ class MultiHeadAttention(keras.layers.Layer):
             (`[d_model, num_heads * key_dim]`, and `[num_heads * value_dim, output_dim]`
             for the output), so Glorot's fans are the paper's and Keras's.
         tied_attention_init: Draw the query, key, value and output kernels from one
-            seed, so that kernels of one shape start out equal (as this layer did by
-            accident until 2026-11-28). Equal query and key kernels make each
+            seed, so that kernels of one shape start out equal (as this layer's first
+            versions did by accident). Equal query and key kernels make each
             position attend mostly to itself at first, a crude form of Trockman and
             Kolter's (2023) "mimetic" initialisation: short training runs on small
             data may learn faster. Default: each its own draw, as in the paper and
