@@ -333,30 +333,30 @@ class MultiHeadAttention(keras.layers.Layer):
         self.value_kernel, self.value_bias = self._add_projection(
             "value", 2, value_shape[-1], self._value_dim
         )
-        self.output_kernel = self.add_weight(
-            name="output_kernel",
-            shape=(self.num_heads, self._value_dim, self._output_dim),
-            initializer=_as_matrix(self._own_initializer(self.kernel_initializer, 3), input_rank=2),
-            regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint,
+        self.output_kernel = self._add_kernel(
+            "output_kernel", 3, (self.num_heads, self._value_dim, self._output_dim), input_rank=2
         )
         self.output_bias = self._add_bias("output_bias", 3, (self._output_dim,)) if self.use_bias else None
         self.built = True
 
     def _add_projection(self, name, index, input_dim, head_dim):
-        kernel = self.add_weight(
-            name=f"{name}_kernel",
-            shape=(input_dim, self.num_heads, head_dim),
-            initializer=_as_matrix(self._own_initializer(self.kernel_initializer, index), input_rank=1),
-            regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint,
-        )
+        kernel = self._add_kernel(f"{name}_kernel", index, (input_dim, self.num_heads, head_dim), input_rank=1)
         bias = self._add_bias(f"{name}_bias", index, (self.num_heads, head_dim)) if self.use_bias else None
         return kernel, bias
 
     def _own_initializer(self, initializer, index):
         """The initializer of the layer's `index`-th weight of its kind (see `tied_attention_init`)."""
         return initializer if self.tied_attention_init else _drawn_apart(initializer, index)
+
+    def _add_kernel(self, name, index, shape, input_rank):
+        """A kernel whose first `input_rank` axes are its input axes (see `_as_matrix`)."""
+        return self.add_weight(
+            name=name,
+            shape=shape,
+            initializer=_as_matrix(self._own_initializer(self.kernel_initializer, index), input_rank=input_rank),
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+        )
 
     def _add_bias(self, name, index, shape):
         return self.add_weight(
