@@ -391,7 +391,7 @@ def test_translate_loads_the_model_before_it_waits_for_input(tmp_path, capsys, m
     "flags, message",
     [
         (["--input", "sentences.en", "A dog."], "give sentences as arguments or --input, not both"),
-        (["--scores", "--n-best", "A dog."], "--scores or --n-best"),
+        (["--scores", "--n-best", "A dog."], "argument --n-best: not allowed with argument --scores"),
     ],
 )
 def test_translate_refuses_flags_that_would_be_ignored(capsys, flags, message):

@@ -231,7 +231,7 @@ def test_client_cli_reports_a_beam_size_the_server_refuses(rest_server, sentence
         (["--alpha", "-2"], "--alpha must be 0 or more."),
         (["--alpha", "nan"], "--alpha must be a finite number, got nan."),
         (["--max-length", "-3"], "--max-length must be at least 1."),
-        (["--scores", "--n-best"], "--scores or --n-best"),
+        (["--scores", "--n-best"], "argument --n-best: not allowed with argument --scores"),
     ],
 )
 def test_client_cli_refuses_options_that_the_server_would_read_as_unset(capsys, flags, message):

@@ -47,10 +47,11 @@ def parse_args(argv=None):
         type=int,
         help="Use translate_with_options with this many tokens before EOS at the least (0: may be empty).",
     )
-    parser.add_argument(
+    output_form = parser.add_mutually_exclusive_group()  # --n-best prints every score already
+    output_form.add_argument(
         "--n-best", action="store_true", help="Print every hypothesis (translate_with_options)."
     )
-    parser.add_argument("--scores", action="store_true", help="Print 'score<TAB>translation'.")
+    output_form.add_argument("--scores", action="store_true", help="Print 'score<TAB>translation'.")
     parser.add_argument(
         "--batch-size", type=int, default=32, help="Sentences per request (default: 32)."
     )
@@ -66,8 +67,6 @@ def parse_args(argv=None):
     if args.timeout <= 0:
         parser.error("--timeout must be more than 0.")
     decoding_flags.check(parser, args)
-    if args.scores and args.n_best:
-        parser.error("--scores or --n-best: --n-best prints every hypothesis with its score.")
     return args
 
 

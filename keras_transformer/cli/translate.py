@@ -100,9 +100,11 @@ def parse_args(argv=None):
         help=f"Fewest tokens before EOS (default: the export's, else {defaults.min_length}: a sentence never "
         "translates to an empty line; 0 lets EOS come first).",
     )
-    parser.add_argument(
+    output_form = parser.add_mutually_exclusive_group()  # --n-best prints every score already
+    output_form.add_argument(
         "--n-best", action="store_true", help="Print all beam_size hypotheses per sentence."
     )
+    output_form.add_argument("--scores", action="store_true", help="Print 'score<TAB>translation'.")
     parser.add_argument(
         "--early-stopping",
         choices=EARLY_STOPPING,
@@ -117,7 +119,6 @@ def parse_args(argv=None):
         "graph-mode options signature; an export made with --jit-compile uses XLA by itself.",
     )
     xla_batch.add_flag(parser)
-    parser.add_argument("--scores", action="store_true", help="Print 'score<TAB>translation'.")
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -143,8 +144,6 @@ def parse_args(argv=None):
         parser.error("--batch-size must be at least 1.")
     if args.sentences and args.input:
         parser.error("give sentences as arguments or --input, not both.")
-    if args.scores and args.n_best:
-        parser.error("--scores or --n-best: --n-best prints every hypothesis with its score.")
     decoding_flags.check(parser, args)
     if args.jit_compile and (args.saved_model or args.n_best or args.max_length is not None):
         parser.error("--jit-compile goes with --run-dir, without --n-best and --max-length.")
