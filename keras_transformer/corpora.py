@@ -168,7 +168,7 @@ def find_multi30k_dir(
             fails.
     """
     if data_dir:
-        return _complete_multi30k_dir(Path(data_dir), origin="data_dir")
+        return _complete_multi30k_dir(Path(data_dir))
     if os.environ.get(MULTI30K_ENV):
         return _complete_multi30k_dir(Path(os.environ[MULTI30K_ENV]), origin=MULTI30K_ENV)
     cache = Path(cache_dir or os.environ.get("KERAS_HOME") or Path.home() / ".keras")
@@ -178,12 +178,12 @@ def find_multi30k_dir(
     return cached
 
 
-def _complete_multi30k_dir(directory: Path, origin: str) -> Path:
-    """Returns `directory`, or raises DatasetUnavailableError naming its missing files."""
+def _complete_multi30k_dir(directory: Path, origin: str | None = None) -> Path:
+    """Returns `directory`, or raises DatasetUnavailableError naming its missing files (and where it came from)."""
     missing = _missing_multi30k_files(directory)
     if missing:
         raise DatasetUnavailableError(
-            f"Multi30k directory {directory} (from {origin}) lacks {', '.join(missing)}. "
+            f"Multi30k directory {directory}{f' (from {origin})' if origin else ''} lacks {', '.join(missing)}. "
             + _MULTI30K_HELP
         )
     return directory

@@ -85,6 +85,14 @@ def test_explicit_dir_without_files_names_what_is_missing(tmp_path, no_multi30k_
         load_multi30k(tmp_path)
 
 
+def test_a_directory_from_the_environment_is_said_to_come_from_there(tmp_path, monkeypatch):
+    monkeypatch.setenv(corpora.MULTI30K_ENV, str(tmp_path))
+    with pytest.raises(DatasetUnavailableError, match=rf"^Multi30k directory {tmp_path} \(from MULTI30K_DIR\) lacks"):
+        find_multi30k_dir()
+    with pytest.raises(DatasetUnavailableError, match=rf"^Multi30k directory {tmp_path} lacks"):
+        find_multi30k_dir(tmp_path)  # given by the caller, who knows where from
+
+
 def test_keras_cache_copy_is_used(tmp_path, no_multi30k_env, monkeypatch):
     _write_tiny_multi30k(tmp_path / "datasets" / "multi30k")
     monkeypatch.setattr(corpora, "MULTI30K_URL", "http://127.0.0.1:9")  # Must not be used.
