@@ -77,7 +77,7 @@ def plot(curve: dict, path: Path, against: dict[str, dict] | None = None) -> Non
     loss_axis.set(xlabel="minutes since training started", ylabel="label-smoothed cross entropy", title="loss")
     loss_axis.grid(alpha=0.3)
     loss_axis.legend()
-    fig.suptitle(Path(curve["run_dir"]).name)
+    fig.suptitle(path.stem.removeprefix("learning_curve-"))  # the results' name (--name), as the JSON's
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
