@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # Layers and the model.
     "MultiHeadAttention": "attention",
+    "MimeticInitializer": "attention",
     "Dropout": "dropout",
     "PositionalEncoding": "embeddings",
     "SharedEmbedding": "embeddings",

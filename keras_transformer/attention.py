@@ -19,6 +19,7 @@ so a decoding step does not transpose the whole cache.
 """
 
 import math
+import random
 
 import keras
 import tensorflow as tf
@@ -74,6 +75,80 @@ def _drawn_apart(initializer, index):
     if seed is not None:
         config["seed"] = seed + index
     return initializer.__class__.from_config(config)
+
+
+ATTENTION_INITS = ("independent", "tied", "mimetic")
+
+# Trockman and Kolter's (2023) scales: each head's query-key product near 0.7 Z + 0.7 I, the
+# value-output product near 0.4 Z - 0.4 I.
+_MIMETIC_SCALE_SHIFT = {"query": (0.7, 0.7), "key": (0.7, 0.7), "value": (0.4, -0.4), "output": (0.4, -0.4)}
+
+
+def attention_init_argument(attention_init, kwargs):
+    """`attention_init`, or what `tied_attention_init` said, taken out of `kwargs` (configs saved before the rename).
+
+    Raises:
+        ValueError: If both are given, or `attention_init` is none of `ATTENTION_INITS`.
+    """
+    if "tied_attention_init" in kwargs:
+        if attention_init != "independent":
+            raise ValueError("Give attention_init or its old form tied_attention_init, not both.")
+        attention_init = "tied" if kwargs.pop("tied_attention_init") else "independent"
+    if attention_init not in ATTENTION_INITS:
+        raise ValueError(f"attention_init must be one of {', '.join(ATTENTION_INITS)}; got {attention_init!r}.")
+    return attention_init
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class MimeticInitializer(keras.initializers.Initializer):
+    """One kernel of an attention layer's mimetic initialisation (Trockman and Kolter, 2023).
+
+    In trained attention layers, the product of the query and key kernels is close to a
+    positive multiple of the identity (a query attends to keys like itself: at first, its
+    own position), and that of the value and output kernels to a negative one. This draws
+    `scale * Z + shift * I` (`Z` uniform with variance 1 / size) for each of `heads` groups
+    of the kernel's columns, and gives the role's factor of its best approximation of the
+    group's rank, `U √S` or `V √S` from its singular value decomposition: the query and
+    value kernels take `U √S`, the key kernel `V √S` and the output kernel its transpose.
+    Two initializers with one seed draw one matrix, so the kernels of a query-key (or
+    value-output) pair made with the same seed are its two factors.
+
+    Args:
+        role: "query", "key", "value" or "output": the kernel it draws.
+        heads: How many independent draws the columns split into: the number of heads for
+            the query and key kernels (a product per head), 1 for the value and output
+            kernels (their product spans the heads).
+        seed: An int, the same for both kernels of a pair.
+
+    Call arguments:
+        shape: The kernel as a matrix (see `_as_matrix`): `[size, heads * width]`, or
+            `[heads * width, size]` for the output kernel, with `width <= size`.
+    """
+
+    def __init__(self, role, heads=1, seed=None):
+        if role not in _MIMETIC_SCALE_SHIFT:
+            raise ValueError(f"role must be one of {', '.join(_MIMETIC_SCALE_SHIFT)}; got {role!r}.")
+        self.role, self.heads, self.seed = role, heads, seed
+
+    def __call__(self, shape, dtype=None):
+        size, columns = (shape[1], shape[0]) if self.role == "output" else shape
+        width = columns // self.heads
+        if width * self.heads != columns or width > size:
+            raise ValueError(
+                f"A mimetic {self.role} kernel of shape {tuple(shape)} needs {self.heads} head(s) of at most "
+                f"{size} columns each."
+            )
+        scale, shift = _MIMETIC_SCALE_SHIFT[self.role]
+        limit = math.sqrt(3.0 / size)
+        noise = keras.random.uniform((self.heads, size, size), -limit, limit, seed=self.seed)
+        left, singular, right_t = ops.svd(scale * noise + shift * ops.eye(size))
+        vectors = left if self.role in ("query", "value") else ops.swapaxes(right_t, 1, 2)
+        factor = vectors[:, :, :width] * ops.sqrt(singular[:, None, :width])  # [heads, size, width]
+        factor = ops.reshape(ops.transpose(factor, (1, 0, 2)), (size, columns))
+        return ops.cast(ops.transpose(factor) if self.role == "output" else factor, dtype or "float32")
+
+    def get_config(self):
+        return {"role": self.role, "heads": self.heads, "seed": self.seed}
 
 
 def check_cache_room(cache, cache_index, new_length):
@@ -161,13 +236,16 @@ class MultiHeadAttention(keras.layers.Layer):
             kernel initializer draws each kernel as the 2-D matrix it stands for
             (`[d_model, num_heads * key_dim]`, and `[num_heads * value_dim, output_dim]`
             for the output), so Glorot's fans are the paper's and Keras's.
-        tied_attention_init: Draw the query, key, value and output kernels from one
-            seed, so that kernels of one shape start out equal (as this layer's first
-            versions did by accident). Equal query and key kernels make each
-            position attend mostly to itself at first, a crude form of Trockman and
-            Kolter's (2023) "mimetic" initialisation: short training runs on small
-            data may learn faster. Default: each its own draw, as in the paper and
-            `keras.layers.MultiHeadAttention`.
+        attention_init: How the query, key, value and output kernels start.
+            "independent" (default): each its own draw of `kernel_initializer`, as in
+            the paper and `keras.layers.MultiHeadAttention`. "mimetic": Trockman and
+            Kolter's (2023) initialisation (`MimeticInitializer`), which makes each
+            query attend mostly to its own position at first and subtract a part of
+            itself through the values, as trained layers do; short runs on small
+            data learn faster. It needs keys of the query's width and values of the
+            output's. "tied": one seed for the four, so that kernels of one shape
+            start out equal, as this layer's first versions did by accident: a crude
+            form of "mimetic", kept to reproduce runs of that time.
         kernel_regularizer, bias_regularizer, kernel_constraint, bias_constraint:
             Regularizers and constraints of the projections' kernels and biases, as
             in `keras.layers.MultiHeadAttention`.
@@ -240,7 +318,7 @@ class MultiHeadAttention(keras.layers.Layer):
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         *,
-        tied_attention_init=False,
+        attention_init="independent",
         kernel_regularizer=None,
         bias_regularizer=None,
         kernel_constraint=None,
@@ -252,6 +330,7 @@ class MultiHeadAttention(keras.layers.Layer):
         flash_attention=None,
         **kwargs,
     ):
+        attention_init = attention_init_argument(attention_init, kwargs)
         super().__init__(**kwargs)
         if attention_axes is not None:
             raise ValueError(
@@ -302,7 +381,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.bias_regularizer = keras.regularizers.get(bias_regularizer)
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
         self.bias_constraint = keras.constraints.get(bias_constraint)
-        self.tied_attention_init = tied_attention_init
+        self.attention_init = attention_init
         self.seed = seed
         self.dropout = Dropout(dropout_rate, seed=seed, dtype=self.dtype_policy)
         self.supports_masking = True  # reads the Keras masks of values and keys; the output keeps the query's
@@ -328,6 +407,13 @@ class MultiHeadAttention(keras.layers.Layer):
             self._key_dim = self.key_dim
         self._value_dim = self.value_dim or self._key_dim
         self._output_dim = self.output_dim or d_model
+        if self.attention_init == "mimetic" and (key_shape[-1] != d_model or value_shape[-1] != self._output_dim):
+            raise ValueError(
+                'attention_init="mimetic" needs keys as wide as queries and values as wide as the output; got '
+                f"{key_shape[-1]} and {d_model}, {value_shape[-1]} and {self._output_dim}."
+            )
+        # The query and key kernels share a seed, as do the value and output kernels.
+        self._pair_seeds = {role: self._pair_seed(index) for role, index in (("query", 0), ("value", 2))}
         self.query_kernel, self.query_bias = self._add_projection("query", 0, d_model, self._key_dim)
         self.key_kernel, self.key_bias = self._add_projection("key", 1, key_shape[-1], self._key_dim)
         self.value_kernel, self.value_bias = self._add_projection(
@@ -345,15 +431,33 @@ class MultiHeadAttention(keras.layers.Layer):
         return kernel, bias
 
     def _own_initializer(self, initializer, index):
-        """The initializer of the layer's `index`-th weight of its kind (see `tied_attention_init`)."""
-        return initializer if self.tied_attention_init else _drawn_apart(initializer, index)
+        """The initializer of the layer's `index`-th weight of its kind (see `attention_init`)."""
+        return initializer if self.attention_init == "tied" else _drawn_apart(initializer, index)
+
+    def _pair_seed(self, index):
+        """The seed of a mimetic pair of kernels: the kernel initializer's seed plus `index`, else a new one."""
+        initializer = self.kernel_initializer
+        seed = initializer.get_config().get("seed") if isinstance(initializer, keras.initializers.Initializer) else None
+        if isinstance(seed, int):
+            return seed + index
+        return random.randint(1, 10**9)  # seeded by keras.utils.set_random_seed, as Keras's default seeds are
+
+    def _kernel_initializer(self, index):
+        if self.attention_init != "mimetic":
+            return self._own_initializer(self.kernel_initializer, index)
+        role = ("query", "key", "value", "output")[index]
+        return MimeticInitializer(
+            role,
+            heads=self.num_heads if index < 2 else 1,
+            seed=self._pair_seeds["query" if index < 2 else "value"],
+        )
 
     def _add_kernel(self, name, index, shape, input_rank):
         """A kernel whose first `input_rank` axes are its input axes (see `_as_matrix`)."""
         return self.add_weight(
             name=name,
             shape=shape,
-            initializer=_as_matrix(self._own_initializer(self.kernel_initializer, index), input_rank=input_rank),
+            initializer=_as_matrix(self._kernel_initializer(index), input_rank=input_rank),
             regularizer=self.kernel_regularizer,
             constraint=self.kernel_constraint,
         )
@@ -649,7 +753,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 "output_dim": self.output_dim,
                 "dropout_rate": self.dropout_rate,
                 "use_bias": self.use_bias,
-                "tied_attention_init": self.tied_attention_init,
+                "attention_init": self.attention_init,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
                 "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),

@@ -11,7 +11,7 @@ import tensorflow as tf
 from keras import ops
 from keras.src.backend import get_keras_mask  # how Keras's own layers read masks; no public API
 
-from keras_transformer.attention import MultiHeadAttention, spec_like
+from keras_transformer.attention import MultiHeadAttention, attention_init_argument, spec_like
 from keras_transformer.dropout import Dropout
 from keras_transformer.masks import intersect
 
@@ -167,9 +167,10 @@ class _ResidualBlock(keras.layers.Layer):
         norm_first=False,
         layer_norm_epsilon=1e-6,
         activation="relu",
-        tied_attention_init=False,
+        attention_init="independent",
         **kwargs,
     ):
+        attention_init = attention_init_argument(attention_init, kwargs)
         super().__init__(**kwargs)
         check_model_dims(d_model, num_heads, d_ff, dropout_rate)
         self.d_model = d_model
@@ -179,12 +180,12 @@ class _ResidualBlock(keras.layers.Layer):
         self.norm_first = norm_first
         self.layer_norm_epsilon = layer_norm_epsilon
         self.activation = activation
-        self.tied_attention_init = tied_attention_init
+        self.attention_init = attention_init
         self.feed_forward = FeedForward(d_model, d_ff, activation, name="feed_forward", dtype=self.dtype_policy)
 
     def _attention(self, name):
         return MultiHeadAttention(
-            self.num_heads, tied_attention_init=self.tied_attention_init, name=name, dtype=self.dtype_policy
+            self.num_heads, attention_init=self.attention_init, name=name, dtype=self.dtype_policy
         )
 
     def _norm_and_dropout(self, name):
@@ -237,7 +238,7 @@ class _ResidualBlock(keras.layers.Layer):
                 "norm_first": self.norm_first,
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "activation": self.activation,
-                "tied_attention_init": self.tied_attention_init,
+                "attention_init": self.attention_init,
             }
         )
         return config
@@ -264,8 +265,8 @@ class EncoderLayer(_ResidualBlock):
         norm_first: Pre-LN instead of the paper's post-LN.
         layer_norm_epsilon: LayerNorm epsilon.
         activation: Feed-forward activation (paper: ReLU).
-        tied_attention_init: Start the attention's four kernels from one draw (see
-            `MultiHeadAttention`).
+        attention_init: How the attention's kernels start: "independent", "mimetic" or
+            "tied" (see `MultiHeadAttention`).
         **kwargs: Base `keras.layers.Layer` arguments.
 
     Call arguments:

@@ -20,7 +20,7 @@ makes decoding buffers of that many positions. Neither is the training length ca
 import keras
 from keras import ops
 
-from keras_transformer.attention import spec_like
+from keras_transformer.attention import attention_init_argument, spec_like
 from keras_transformer.blocks import DecoderLayer, EncoderLayer, LayerNormalization, check_model_dims, rowwise
 from keras_transformer.dropout import Dropout
 from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding, max_positions_argument
@@ -42,9 +42,10 @@ class _Stack(keras.layers.Layer):
         norm_first=False,
         layer_norm_epsilon=1e-6,
         activation="relu",
-        tied_attention_init=False,
+        attention_init="independent",
         **kwargs,
     ):
+        attention_init = attention_init_argument(attention_init, kwargs)
         super().__init__(**kwargs)
         self.supports_masking = True  # the blocks read the Keras mask of the inputs; the output keeps it
         if not isinstance(num_layers, int) or num_layers <= 0:
@@ -58,7 +59,7 @@ class _Stack(keras.layers.Layer):
         self.norm_first = norm_first
         self.layer_norm_epsilon = layer_norm_epsilon
         self.activation = activation
-        self.tied_attention_init = tied_attention_init
+        self.attention_init = attention_init
         # One attribute per layer, not a list: TensorFlow checkpoints (tf.train.Checkpoint)
         # do not see layers that Keras 3 holds in Python lists.
         for i in range(num_layers):
@@ -70,7 +71,7 @@ class _Stack(keras.layers.Layer):
                 norm_first=norm_first,
                 layer_norm_epsilon=layer_norm_epsilon,
                 activation=activation,
-                tied_attention_init=tied_attention_init,
+                attention_init=attention_init,
                 name=f"layer_{i}",
                 dtype=self.dtype_policy,
             )
@@ -109,7 +110,7 @@ class _Stack(keras.layers.Layer):
                 "norm_first": self.norm_first,
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "activation": self.activation,
-                "tied_attention_init": self.tied_attention_init,
+                "attention_init": self.attention_init,
             }
         )
         return config
@@ -230,8 +231,10 @@ class Transformer(keras.Model):
             (default 1024). `max_length`, its name in configs saved before, is taken too.
         layer_norm_epsilon: LayerNorm epsilon.
         pad_id: Token id of padding, hidden from attention.
-        tied_attention_init: Start each attention layer's four kernels from one draw
-            (see `MultiHeadAttention`); the `medium` recipe does.
+        attention_init: How each attention layer's kernels start: "independent" (the
+            paper's), "mimetic" (each query attends to its own position at first) or
+            "tied" (see `MultiHeadAttention`). `tied_attention_init`, its form in
+            configs saved before, is taken too.
         **kwargs: Base `keras.Model` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -256,10 +259,11 @@ class Transformer(keras.Model):
         max_positions=None,
         layer_norm_epsilon=1e-6,
         pad_id=0,
-        tied_attention_init=False,
+        attention_init="independent",
         **kwargs,
     ):
         max_positions = max_positions_argument(max_positions, kwargs)
+        attention_init = attention_init_argument(attention_init, kwargs)
         super().__init__(**kwargs)
         check_model_dims(d_model, num_heads, d_ff, dropout_rate)
         self.vocab_size = vocab_size
@@ -273,7 +277,7 @@ class Transformer(keras.Model):
         self.max_positions = max_positions
         self.layer_norm_epsilon = layer_norm_epsilon
         self.pad_id = pad_id
-        self.tied_attention_init = tied_attention_init
+        self.attention_init = attention_init
 
         policy = self.dtype_policy
         self.embedding = SharedEmbedding(vocab_size, d_model, name="shared_embedding", dtype=policy)
@@ -289,7 +293,7 @@ class Transformer(keras.Model):
             dropout_rate=dropout_rate,
             norm_first=norm_first,
             layer_norm_epsilon=layer_norm_epsilon,
-            tied_attention_init=tied_attention_init,
+            attention_init=attention_init,
             dtype=policy,
         )
         self.encoder = Encoder(name="encoder", **stack_args)
@@ -387,5 +391,5 @@ class Transformer(keras.Model):
             "max_positions": self.max_positions,
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "pad_id": self.pad_id,
-            "tied_attention_init": self.tied_attention_init,
+            "attention_init": self.attention_init,
         }

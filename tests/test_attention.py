@@ -349,16 +349,81 @@ def test_each_kernel_starts_from_a_draw_of_its_own(initializer):
 
 
 def test_tied_attention_init_starts_the_four_kernels_equal_and_round_trips():
-    """The opt-in start that the `medium` recipe uses: one draw for all four kernels, so each query
-    first attends mostly to itself; the config keeps the choice."""
+    """One draw for all four kernels, so each query first attends mostly to itself; the config keeps
+    the choice, and a config saved when it was `tied_attention_init=True` still means it."""
     x = np.random.default_rng(0).normal(size=(8, 20, 128)).astype("float32")
-    tied = MultiHeadAttention(4, tied_attention_init=True)
+    tied = MultiHeadAttention(4, attention_init="tied")
     focus = _own_position_attention(tied, x)
     matrices = [np.reshape(k, (128, 128)) for k in (tied.query_kernel, tied.key_kernel, tied.value_kernel)]
     for matrix in matrices[1:] + [np.reshape(tied.output_kernel, (128, 128))]:
         np.testing.assert_array_equal(matrix, matrices[0])
     assert focus > 0.5  # uniform attention over 20 positions would give 0.05
-    assert MultiHeadAttention.from_config(tied.get_config()).tied_attention_init
+    assert MultiHeadAttention.from_config(tied.get_config()).attention_init == "tied"
+    old_config = {k: v for k, v in tied.get_config().items() if k != "attention_init"}
+    for old, meant in ((True, "tied"), (False, "independent")):
+        assert MultiHeadAttention.from_config({**old_config, "tied_attention_init": old}).attention_init == meant
+    with pytest.raises(ValueError, match="not both"):
+        MultiHeadAttention(4, attention_init="mimetic", tied_attention_init=True)
+    with pytest.raises(ValueError, match="attention_init must be one of"):
+        MultiHeadAttention(4, attention_init="identity")
+
+
+def _head_products(layer, d_model):
+    """Each head's query-key product `[heads, d_model, d_model]`, and the value-output product."""
+    query, key = np.asarray(layer.query_kernel, "float64"), np.asarray(layer.key_kernel, "float64")
+    value = np.asarray(layer.value_kernel, "float64").reshape(d_model, -1)
+    output = np.asarray(layer.output_kernel, "float64").reshape(-1, d_model)
+    return np.einsum("dhk,ehk->hde", query, key), value @ output
+
+
+def test_mimetic_init_is_trockman_and_kolters_factorisation():
+    """Each head's query and key kernels are the balanced factors (U√S, V√S) of the best rank-d_k
+    approximation of 0.7 Z + 0.7 I, the value and output kernels those of 0.4 Z - 0.4 I (Z uniform,
+    variance 1/d): checked against numpy's SVD of the products and the formula's moments."""
+    d_model, heads, head_dim = 128, 4, 32
+    layer = MultiHeadAttention(heads, attention_init="mimetic")
+    x = np.random.default_rng(0).normal(size=(8, 20, d_model)).astype("float32")
+    assert _own_position_attention(layer, x) > 0.8  # uniform attention over 20 positions: 0.05
+    query_key, value_output = _head_products(layer, d_model)
+    for head in range(heads):
+        singular = np.linalg.svd(query_key[head], compute_uv=False)
+        assert singular[head_dim] < 1e-5 * singular[0]  # rank d_k
+        for kernel in (layer.query_kernel, layer.key_kernel):  # balanced: both factors carry √S
+            factor = np.asarray(kernel, "float64")[:, head, :]
+            np.testing.assert_allclose(factor.T @ factor, np.diag(singular[:head_dim]), atol=1e-4)
+    # V O is the full-rank matrix itself: its diagonal is -0.4 + noise, the rest 0.4 Z.
+    off_diagonal = value_output[~np.eye(d_model, dtype=bool)]
+    assert np.diag(value_output).mean() == pytest.approx(-0.4, abs=0.03)
+    assert off_diagonal.mean() == pytest.approx(0.0, abs=0.005)
+    assert off_diagonal.std() == pytest.approx(0.4 / np.sqrt(d_model), rel=0.05)
+    # The query-key product keeps the identity's share a rank-d_k subspace can hold, and more:
+    # its top singular directions are those the identity lifts.
+    assert np.trace(query_key, axis1=1, axis2=2).mean() > 0.7 * head_dim
+
+
+def test_mimetic_init_draws_each_head_and_layer_apart_and_a_seed_repeats_it():
+    layers = [MultiHeadAttention(4, attention_init="mimetic") for _ in range(2)]
+    layers += [
+        MultiHeadAttention(4, attention_init="mimetic", kernel_initializer=keras.initializers.GlorotUniform(seed=7))
+        for _ in range(2)
+    ]
+    x = np.zeros((1, 3, 64), "float32")
+    for layer in layers:
+        layer(x, x)
+    query_keys = [_head_products(layer, 64)[0] for layer in layers]
+    off_diagonal = ~np.eye(64, dtype=bool)
+    assert _largest_correlation([product[off_diagonal] for product in query_keys[0]]) < 0.1  # each head its Z
+    assert not np.allclose(query_keys[0], query_keys[1])
+    np.testing.assert_array_equal(layers[2].query_kernel, layers[3].query_kernel)
+    np.testing.assert_array_equal(layers[2].output_kernel, layers[3].output_kernel)
+    restored = MultiHeadAttention.from_config(layers[0].get_config())
+    assert restored.attention_init == "mimetic"
+
+
+def test_mimetic_init_refuses_keys_or_values_of_another_width():
+    layer = MultiHeadAttention(4, attention_init="mimetic")
+    with pytest.raises(ValueError, match="keys as wide as queries"):
+        layer(np.zeros((1, 3, 32), "float32"), np.zeros((1, 5, 48), "float32"))
 
 
 def test_a_seeded_initializer_gives_the_same_kernels_again():

@@ -102,7 +102,7 @@ def test_no_two_kernels_of_a_new_model_start_alike():
     """Every kernel is its own draw: no two of the same size are correlated (independent draws of
     16,384 values correlate by about 0.01). One initializer instance used to give each attention
     layer's four kernels the same values."""
-    model = Transformer.from_preset("small", vocab_size=VOCAB)
+    model = Transformer.from_preset("small", vocab_size=VOCAB, attention_init="independent")
     model.build()
     kernels = [w for w in model.weights if w.path.endswith("kernel")]
     assert len(kernels) == 4 * (4 + 2) + 4 * (8 + 2)  # 4 layers each side: attention and feed-forward
@@ -113,17 +113,35 @@ def test_no_two_kernels_of_a_new_model_start_alike():
                 assert abs(correlation) < 0.06, (first.path, second.path)
 
 
+def _attention_layers(model):
+    layers = [block.self_attention for block in model.encoder.blocks + model.decoder.blocks]
+    return layers + [block.cross_attention for block in model.decoder.blocks]
+
+
 def test_tied_attention_init_reaches_every_attention_layer_and_round_trips():
-    model = Transformer.from_preset("tiny", vocab_size=VOCAB, tied_attention_init=True)
+    model = Transformer.from_preset("tiny", vocab_size=VOCAB, attention_init="tied")
+    model.build()
+    old_config = {k: v for k, v in model.get_config().items() if k != "attention_init"}
+    for config in (model.get_config(), {**old_config, "tied_attention_init": True}):  # saved before the rename
+        restored = Transformer.from_config(config)
+        restored.build()
+        assert len(_attention_layers(restored)) == 6
+        for layer in _attention_layers(restored):
+            np.testing.assert_array_equal(layer.query_kernel, layer.key_kernel)
+
+
+def test_mimetic_attention_init_reaches_every_attention_layer():
+    """Each attention layer, cross-attention included, starts attending to the matching position."""
+    model = Transformer.from_preset("tiny", vocab_size=VOCAB, attention_init="mimetic")
     model.build()
     restored = Transformer.from_config(model.get_config())
     restored.build()
-    for built in (model, restored):
-        layers = [block.self_attention for block in built.encoder.blocks + built.decoder.blocks]
-        layers += [block.cross_attention for block in built.decoder.blocks]
-        assert len(layers) == 6
-        for layer in layers:
-            np.testing.assert_array_equal(layer.query_kernel, layer.key_kernel)
+    for layer in _attention_layers(model) + _attention_layers(restored):
+        assert layer.attention_init == "mimetic"
+        query_key = np.einsum("dhk,ehk->hde", np.asarray(layer.query_kernel), np.asarray(layer.key_kernel))
+        value_output = np.asarray(layer.value_kernel).reshape(32, 32) @ np.asarray(layer.output_kernel).reshape(32, 32)
+        assert np.trace(query_key, axis1=1, axis2=2).min() > 0  # independent draws: about 0 either way
+        assert np.trace(value_output) < 0
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
