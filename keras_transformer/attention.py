@@ -412,8 +412,9 @@ class MultiHeadAttention(keras.layers.Layer):
                 'attention_init="mimetic" needs keys as wide as queries and values as wide as the output; got '
                 f"{key_shape[-1]} and {d_model}, {value_shape[-1]} and {self._output_dim}."
             )
-        # The query and key kernels share a seed, as do the value and output kernels.
-        self._pair_seeds = {role: self._pair_seed(index) for role, index in (("query", 0), ("value", 2))}
+        if self.attention_init == "mimetic":  # only then: other modes draw as they always have
+            # The query and key kernels share a seed, as do the value and output kernels.
+            self._pair_seeds = {role: self._pair_seed(index) for role, index in (("query", 0), ("value", 2))}
         self.query_kernel, self.query_bias = self._add_projection("query", 0, d_model, self._key_dim)
         self.key_kernel, self.key_bias = self._add_projection("key", 1, key_shape[-1], self._key_dim)
         self.value_kernel, self.value_bias = self._add_projection(
