@@ -9,6 +9,7 @@ search itself, against brute force, is tested in test_search.py.
 
 import dataclasses
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -246,6 +247,7 @@ def test_mixed_precision_models_decode_with_float32_scores(
 def test_padding_and_the_start_token_are_never_generated():
     from keras_transformer import Transformer
 
+    keras.utils.set_random_seed(0)  # the precondition below holds for most draws, not all
     model = Transformer.from_preset("tiny", vocab_size=30)
     model.build()
     # Long embeddings make the tied output projection favour padding and the start token.
