@@ -407,12 +407,12 @@ class MultiHeadAttention(keras.layers.Layer):
             self._key_dim = self.key_dim
         self._value_dim = self.value_dim or self._key_dim
         self._output_dim = self.output_dim or d_model
-        if self.attention_init == "mimetic" and (key_shape[-1] != d_model or value_shape[-1] != self._output_dim):
-            raise ValueError(
-                'attention_init="mimetic" needs keys as wide as queries and values as wide as the output; got '
-                f"{key_shape[-1]} and {d_model}, {value_shape[-1]} and {self._output_dim}."
-            )
         if self.attention_init == "mimetic":  # only then: other modes draw as they always have
+            if key_shape[-1] != d_model or value_shape[-1] != self._output_dim:
+                raise ValueError(
+                    'attention_init="mimetic" needs keys as wide as queries and values as wide as the output; got '
+                    f"{key_shape[-1]} and {d_model}, {value_shape[-1]} and {self._output_dim}."
+                )
             # The query and key kernels share a seed, as do the value and output kernels.
             self._pair_seeds = {role: self._pair_seed(index) for role, index in (("query", 0), ("value", 2))}
         self.query_kernel, self.query_bias = self._add_projection("query", 0, d_model, self._key_dim)
