@@ -14,7 +14,7 @@ check that needs no data, so that a bad command fails before anything is trained
 
 config.json is `{"data": {...}, "train": {...}, "model": {...}}`: `data` and `train` are
 `RunSettings.to_config()`, `model` is `run_dir.model_config(model)` (the architecture)
-with the dropout setting. `RunSettings.from_config` reads it back, so a run's config.json
+with the dropout and attention-initialisation settings. `RunSettings.from_config` reads it back, so a run's config.json
 given back as `--config` trains the same run.
 
 A `--config` file is JSON or YAML (by its extension, .json, .yaml or .yml, else by its
@@ -22,7 +22,7 @@ text) with config.json's keys and layout, any of them left out. A value must be 
 flag takes; `null` stands for a flag left out where that means something (epochs,
 max_minutes: no time budget, source_lang and target_lang: the corpus's). What a run
 records rather than chooses is checked, never used: `train.replicas` and the `model`
-keys other than dropout_rate, which the preset and the vocabulary size determine. An
+keys other than dropout_rate and attention_init, which the preset and the vocabulary size determine. An
 unknown key or a wrong value is one `SettingsError` naming the file and the key.
 `mixed_precision: auto` (the default) is resolved when the run starts
 (`keras_transformer.precision`) and saved as the choice, with its reason
@@ -39,6 +39,7 @@ import math
 from pathlib import Path
 
 from keras_transformer import corpora, precision, run_dir
+from keras_transformer.attention import ATTENTION_INITS
 from keras_transformer.decoding_settings import MAX_BEAM_SIZE, DecodingSettings
 from keras_transformer.recipes import DEFAULT_PRESET, RECIPES, get_recipe
 from keras_transformer.trainer import TrainingConfig
@@ -130,6 +131,7 @@ class RunSettings:
     token_budget: int = _setting(positive_int, section="data", pinned=True)
     seed: int = _setting(seed, pinned=True)
     dropout: float = _setting(probability, section="model", key="dropout_rate", pinned=True)
+    attention_init: str = _setting(ATTENTION_INITS, section="model", pinned=True)
     warmup_steps: int = _setting(positive_int, pinned=True)
     learning_rate_scale: float = _setting(positive_float, pinned=True)
     cooldown: float = _setting(fraction, pinned=True)
@@ -171,7 +173,7 @@ class RunSettings:
         return dataclasses.replace(self, **changes)
 
     def to_config(self):
-        """config.json's `data` and `train` sections, and `model.dropout_rate`."""
+        """config.json's `data` and `train` sections, and the `model` section's dropout_rate and attention_init."""
         config = {"data": {}, "train": {}, "model": {}}
         for field in dataclasses.fields(self):
             section, key = location(field.name)
@@ -219,7 +221,8 @@ def defaults(preset, dataset):
     general = dict(
         preset=preset, dataset=dataset, source_lang=None, target_lang=None,
         vocab_size=corpus.vocab_size, max_length=corpus.max_length, long_sentences="filter",
-        seed=0, dropout=recipe.model["dropout_rate"], cooldown=0.0, label_smoothing=0.1, mixed_precision=precision.AUTO,
+        seed=0, dropout=recipe.model["dropout_rate"], attention_init=recipe.model.get("attention_init", "independent"),
+        cooldown=0.0, label_smoothing=0.1, mixed_precision=precision.AUTO,
         jit_compile=False, epochs=None, patience=0, replicas=None, precision_reason=None,
         beam_size=recipe.decoding.beam_size, alpha=recipe.decoding.alpha,
     )

@@ -87,7 +87,8 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
         if saved_config is not None and "model" in saved_config:  # Not yet when the start was interrupted.
             return Transformer(**saved_config["model"], dtype=dtype)
         return Transformer.from_preset(
-            settings.preset, tokenizer.vocab_size, dropout_rate=settings.dropout, dtype=dtype
+            settings.preset, tokenizer.vocab_size, dtype=dtype,
+            dropout_rate=settings.dropout, attention_init=settings.attention_init,
         )
 
     validator = None

@@ -380,6 +380,38 @@ def test_a_start_interrupted_after_the_vocabulary_is_resumed(tmp_path, multi30k_
     assert _snapshot(run)[run_dir.TOKENIZER_FILE] == vocabulary
 
 
+@pytest.mark.parametrize("start", ["new", "stopped"])
+def test_a_run_draws_its_weights_as_its_settings_say(tmp_path, multi30k_dir, multi30k_tokenizer, monkeypatch, start):
+    """A new run, and one stopped before its first checkpoint (config.json holds the model, no checkpoint its
+    weights), build their model with the run's attention initialisation and dropout, not the layers' defaults."""
+    run = tmp_path / "run"
+    command = ["--run-dir", str(run), "--data-dir", str(multi30k_dir)]
+    if start == "new":
+        command += ["--preset", "tiny", "--vocab-size", "1000", "--dropout", "0.25", "--attention-init", "mimetic"]
+    else:  # The same command resumes it: its settings are the run's.
+        settings = run_settings.layered({
+            "preset": "tiny", "dataset": "multi30k", "source_lang": "en", "target_lang": "de",
+            "vocab_size": multi30k_tokenizer.vocab_size, "dropout": 0.25, "attention_init": "mimetic",
+        })
+        model = Transformer.from_preset(
+            "tiny", multi30k_tokenizer.vocab_size, dropout_rate=0.25, attention_init="mimetic"
+        )
+        model.build()
+        run_settings.write_run_config(run, settings, model)
+        multi30k_tokenizer.save(run_dir.tokenizer_path(run))
+    built = []
+
+    def trainer_stopped_at_once(strategy, model_fn, *args, **kwargs):
+        built.append(model_fn("float32"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(training_run, "Trainer", trainer_stopped_at_once)
+    assert train_cli.main(command) == 130
+    (model,) = built
+    assert model.dropout_rate == 0.25
+    assert {block.self_attention.attention_init for block in model.encoder.blocks + model.decoder.blocks} == {"mimetic"}
+
+
 @pytest.mark.slow
 def test_a_time_budget_stop_says_where_the_run_stands_and_its_advice_works(tmp_path, multi30k_dir):
     """A run stopped by --max-minutes ends with its step and how to continue it, or only evaluate it.

@@ -82,7 +82,8 @@ def test_a_runs_config_json_given_back_trains_the_same_run(tmp_path, training_co
     run, new = tmp_path / "run", tmp_path / "new"
     _train("--run-dir", str(run), "--preset", "tiny", *training_corpus, "--vocab-size", "1000", "--max-length", "64",
            "--train-steps", "3", "--seed", "3", "--warmup-steps", "50", "--label-smoothing", "0.2", "--alpha", "0.8",
-           "--beam-size", "1", "--bleu-sentences", "0", "--dropout", "0.15", "--max-minutes", "30")
+           "--beam-size", "1", "--bleu-sentences", "0", "--dropout", "0.15", "--attention-init", "tied",
+           "--max-minutes", "30")
     given_back = run_dir.read_config(run)
     # The data directory is no setting of a run: each command gives it.
     data_dir = training_corpus[training_corpus.index("--data-dir") + 1]
@@ -94,6 +95,7 @@ def test_a_runs_config_json_given_back_trains_the_same_run(tmp_path, training_co
     assert taken["train"].pop("precision_reason") == f"--config {config} (whose run chose it: {reason})"
     assert taken == given_back
     assert given_back["train"]["seed"] == 3 and given_back["model"]["dropout_rate"] == 0.15
+    assert given_back["model"]["attention_init"] == "tied"
 
 
 def _saved_run(directory, **train_settings):
@@ -170,13 +172,15 @@ def test_a_pinned_setting_of_a_file_is_refused_by_the_run(tmp_path, capsys):
         ({"data": {"source_lang": False}}, "data.source_lang must be a string, got false (quote it: YAML reads"),
         ({"data": {"data_dir": "/data"}}, "unknown key data.data_dir: --data-dir is no setting of the run"),
         ({"model": {"dropout_rate": 1.5}}, "model.dropout_rate must be in [0, 1), got 1.5."),
+        ({"model": {"attention_init": "orthogonal"}},
+         'model.attention_init must be one of independent, tied, mimetic, got "orthogonal".'),
         ({"train": {"cooldown": 1.5}}, "train.cooldown must be in [0, 1], got 1.5."),
         ({"model": {"d_model": 512}}, "model.d_model is 512, but the small preset with vocab_size 4000 has 128"),
         ({"optimizer": {}}, "unknown section 'optimizer'"),
         ({"train": [1, 2]}, "train must be a mapping of keys to values, got [1, 2]."),
     ],
     ids=["type", "typo", "section", "range", "integer", "null", "boolean", "replicas", "choice", "yaml-no",
-         "per-command", "probability", "fraction", "derived", "unknown-section", "not-a-mapping"],
+         "per-command", "probability", "attention-init", "fraction", "derived", "unknown-section", "not-a-mapping"],
 )
 def test_a_wrong_key_or_value_in_a_file_is_one_error_naming_it(tmp_path, capsys, config, message):
     path = _write(tmp_path / "exp.yaml", config)
@@ -269,6 +273,7 @@ def test_a_preset_is_its_recipe_for_the_model_the_flags_the_trainer_and_the_sear
     assert settings.decoding == recipe.decoding and settings.dropout == recipe.model["dropout_rate"]
     model = Transformer.from_preset(preset, vocab_size=settings.vocab_size)
     assert {key: getattr(model, key) for key in recipe.model} == dict(recipe.model)
+    assert settings.attention_init == model.attention_init
 
 
 def _synthetic_pairs_dataset(input_context):

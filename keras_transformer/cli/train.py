@@ -34,7 +34,9 @@ def build_parser():
     def per_preset(name):
         """'tiny 200, small 1600, ...': the recipes' defaults of setting `name`, for help texts."""
         values = {preset: defaults(preset, DEFAULT_CORPUS)[name] for preset in RECIPES}
-        return ", ".join(f"{preset} {'none' if value is None else f'{value:g}'}" for preset, value in values.items())
+        shown = {preset: "none" if value is None else value if isinstance(value, str) else f"{value:g}"
+                 for preset, value in values.items()}
+        return ", ".join(f"{preset} {value}" for preset, value in shown.items())
 
     general = defaults(DEFAULT_PRESET, DEFAULT_CORPUS)  # The settings no recipe or corpus sets.
 
@@ -86,6 +88,10 @@ def build_parser():
                            f"to fit (truncate). [{general['long_sentences']}]")
     what.add_argument("--dropout", **checked("dropout"), default=None,
                       help="Dropout rate P_drop (residual and embedding dropout). [the preset's]")
+    what.add_argument("--attention-init", **checked("attention_init"), default=None,
+                      help="How the attention kernels start: independent draws (the paper's), tied (each "
+                           "position attends to itself at first) or mimetic (Trockman and Kolter, 2023). "
+                           f"[the preset's: {per_preset('attention_init')}]")
 
     how = parser.add_argument_group("optimization")
     length = how.add_mutually_exclusive_group()
