@@ -14,16 +14,17 @@ check that needs no data, so that a bad command fails before anything is trained
 
 config.json is `{"data": {...}, "train": {...}, "model": {...}}`: `data` and `train` are
 `RunSettings.to_config()`, `model` is `run_dir.model_config(model)` (the architecture)
-with the dropout and attention-initialisation settings. `RunSettings.from_config` reads it back, so a run's config.json
-given back as `--config` trains the same run.
+with the dropout and attention-initialisation settings. `saved_settings` reads
+it back, so a run's config.json given back as `--config` trains the same run.
 
 A `--config` file is JSON or YAML (by its extension, .json, .yaml or .yml, else by its
 text) with config.json's keys and layout, any of them left out. A value must be one its
 flag takes; `null` stands for a flag left out where that means something (epochs,
 max_minutes: no time budget, source_lang and target_lang: the corpus's). What a run
 records rather than chooses is checked, never used: `train.replicas` and the `model`
-keys other than dropout_rate and attention_init, which the preset and the vocabulary size determine. An
-unknown key or a wrong value is one `SettingsError` naming the file and the key.
+keys other than dropout_rate and attention_init, which the preset and the vocabulary
+size determine. An unknown key or a wrong value is one `SettingsError` naming the file
+and the key.
 `mixed_precision: auto` (the default) is resolved when the run starts
 (`keras_transformer.precision`) and saved as the choice, with its reason
 (`train.precision_reason`); asked of a run that has one, it keeps it. A new run given a
