@@ -349,6 +349,16 @@ def test_export_paths_that_cannot_serve_are_usage_errors_naming_the_flag(tmp_pat
         assert raised.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_export_checks_the_sentences_translate_py_would_read(tmp_path):
+    """--check-file lines end at "\\n" only, as translate.py's: a stray "\\r" splits no sentence; CRLF and a BOM are
+    not text."""
+    from keras_transformer.cli import export
+
+    path = tmp_path / "check.en"
+    path.write_bytes(b"\xef\xbb\xbfA man\rrides.\r\nTwo dogs.\nA cat \xff.\nNot read.\n")
+    assert export.read_check_sentences(path, 3) == ["A man\rrides.", "Two dogs.", "A cat \ufffd."]
+
+
 def test_export_without_a_vocabulary(run, tmp_path, capsys):
     from export.__main__ import main
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from keras_transformer.cli import decoding_flags, xla_batch
+from keras_transformer.cli.line_input import LineReader
 from keras_transformer.decoding_settings import EARLY_STOPPING, MAX_BEAM_SIZE, DecodingSettings
 
 # The command's name in its messages: kt-export when run so, else the repository's module.
@@ -149,10 +150,11 @@ def parse_args(argv=None):
 
 
 def read_check_sentences(path, lines):
+    """The first `lines` sentences of `path`, split as translate.py splits its input (`LineReader`)."""
     if path is None:
         return []
-    with open(path, encoding="utf-8", errors="replace") as file:
-        return [line.rstrip("\n") for line in itertools.islice(file, lines)]
+    with open(path, "rb") as file:
+        return [line.decode("utf-8", errors="replace") for line in itertools.islice(LineReader(file), lines)]
 
 
 def decoding_settings(args):
