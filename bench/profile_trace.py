@@ -62,7 +62,7 @@ _MODEL_PARTS = (
 # Trace events that wrap others (a request, an executor, a thread pool region, the search
 # loop, the call of a fusion outlined by XLA).
 _WRAPPERS = re.compile(
-    r"^(ThreadpoolListener::Region|ThunkExecutor::Execute|signature_wrapper|EagerExecute|"
+    r"^(ThreadpoolListener::Region|ThunkExecutor::Execute|signature_wrapper(_\w+)?|EagerExecute|"
     r"TFE_Py_ExecuteCancelable|EagerKernelExecute|KernelAndDeviceFunc::Run|ExecutorState::.*|"
     r"CpuExecutable::ExecuteAsyncOnStream|BlockUntilReady|SlinkyThreadPool::Await|EagerLocalExecute.*|while(\.\d+)?|"
     r"call(\.\d+)?)$"
@@ -127,8 +127,10 @@ def summarize_xla_ops(logdir: Path, count: int, limit: int = 20, outer: str = "s
     """Time of the XLA operations (and TF ops) per request or step, from the trace events.
 
     `outer` names the event that spans one request or step (its total is reported as
-    `outer_ms`); events that only wrap others are left out of the op times. With a GPU
-    in the trace, the op times are those of its "XLA Ops" line.
+    `outer_ms`), or begins its name followed by "_" (TensorFlow names a SavedModel
+    signature's event after its function: `signature_wrapper_translate`). Events that
+    only wrap others are left out of the op times. With a GPU in the trace, the op times
+    are those of its "XLA Ops" line.
     """
     events = _tool_data(logdir, "trace_viewer")
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -139,7 +141,7 @@ def summarize_xla_ops(logdir: Path, count: int, limit: int = 20, outer: str = "s
         if event.get("ph") != "X":
             continue
         name, duration = event["name"], event.get("dur", 0.0)
-        if name == outer:
+        if name == outer or name.startswith(outer + "_"):
             outer_us += duration
             continue
         if _WRAPPERS.match(name) or (device_lines and (event.get("pid"), event.get("tid")) not in device_lines):

@@ -89,6 +89,21 @@ def test_an_xla_cpu_trace_counts_every_operation_but_the_wrappers(monkeypatch):
     assert {row["name"]: row["ms"] for row in summary["by_op_kind"]} == {"dot": 0.05, "fusion": 0.03}
 
 
+def test_a_serving_trace_spans_requests_with_the_signatures_event(monkeypatch):
+    # TensorFlow names that event after the signature's function: it is the request, not an op.
+    events = [
+        _process(1, "/host:CPU"),
+        _thread(1, 11, "tf_Compute"),
+        _op(1, 11, "signature_wrapper_translate", 5000.0),
+        _op(1, 11, "signature_wrapper_translate", 3000.0),
+        _op(1, 11, "dot.1", 100.0),
+    ]
+    monkeypatch.setattr(profile_trace, "_tool_data", lambda logdir, tool: {"traceEvents": events})
+    summary = profile_trace.summarize_xla_ops(Path("unused"), 2)
+    assert summary["outer_ms"] == 4.0
+    assert {row["name"]: row["ms"] for row in summary["by_op"]} == {"dot.1": 0.05}
+
+
 def test_an_xla_gpu_trace_counts_the_gpus_xla_ops_line_once(monkeypatch):
     gpu = [
         _process(2, "/device:GPU:0"),
