@@ -103,7 +103,10 @@ def beam_search(
         source_ids: int `[batch, source_length]`, each row ending with EOS and padded
             with `model.pad_id` (as `keras_transformer.data.make_translation_dataset`
             makes them). With learned positional encodings, at most
-            `model.max_positions` long (`Translator` cuts longer sources).
+            `model.max_positions` long (`Translator` cuts longer sources). A row of
+            padding only has nothing to translate: it is not searched and gets no
+            hypothesis (length 0, score `NEG_INF`), which lets a caller pad a batch to
+            a size compiled before (`Translator` does, under XLA).
         decoding: The `DecodingSettings`: beam size, length penalty, extra length,
             minimum length and early stop.
         max_output_length: Optional cap on generated tokens (EOS included) for all
@@ -221,7 +224,8 @@ def _search_transformer(
         buffer_length = tf.minimum(buffer_length, cap)
         row_max_lengths = tf.minimum(row_max_lengths, cap)
     buffer_length = tf.maximum(buffer_length, 1)
-    row_max_lengths = tf.maximum(row_max_lengths, 1)
+    # A row of padding only is done before the first step (see `beam_search`).
+    row_max_lengths = tf.where(source_lengths > 0, tf.maximum(row_max_lengths, 1), 0)
 
     if use_cache:
         # The self-attention buffers grow with the output (see doubling_cache_lengths).

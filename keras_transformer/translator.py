@@ -38,8 +38,10 @@ the batch halves (`search_core.XLA_HALVINGS`); larger batches take the graph-mod
 search, where done rows leave one by one, and so does an empty one, which is not
 worth a compilation of its own. XLA compiles once per input shape, so
 sources are padded to a few bucket lengths (powers of two from 16 to
-`max_source_length`): a server compiles each (batch size, bucket) it meets once. TF
-Serving runs such a model on a CPU only with `--xla_cpu_compilation_enabled=true`.
+`max_source_length`) and batches to a few sizes (1, 2, 4, ... up to `xla_max_batch`,
+with rows of padding only, which the search skips): a server compiles each (batch size,
+length) pair of those once. TF Serving runs such a model on a CPU only with
+`--xla_cpu_compilation_enabled=true`.
 
 A `Translator` keeps the output projection's kernel (the transposed embedding matrix)
 as a variable of its own, made when it is built: every search would otherwise copy
@@ -52,7 +54,14 @@ import tensorflow as tf
 from keras_transformer import run_dir
 from keras_transformer import signatures as signature_table  # Not `signatures`: a method's name here.
 from keras_transformer.data import DEFAULT_MAX_LENGTH
-from keras_transformer.decoding import DEFAULT_XLA_MAX_BATCH, MAX_BEAM_SIZE, NEG_INF, DecodingSettings, beam_search
+from keras_transformer.decoding import (
+    DEFAULT_XLA_MAX_BATCH,
+    MAX_BEAM_SIZE,
+    NEG_INF,
+    DecodingSettings,
+    Hypotheses,
+    beam_search,
+)
 from keras_transformer.signatures import OPTIONS_SIGNATURE, SERVING_SIGNATURE
 from keras_transformer.tokenizer import EOS_ID, PAD_ID, SubwordTokenizer
 
@@ -62,6 +71,7 @@ __all__ = [
     "MAX_BEAM_SIZE",
     "Translator",
     "pad_to_bucket",
+    "xla_batch_sizes",
     "xla_buckets",
 ]
 
@@ -149,6 +159,7 @@ class Translator(tf.Module):
             decoding.early_stopping, trainable=False, name="early_stopping_rule"
         )
         self.xla_buckets = xla_buckets(self.max_source_length)
+        self.xla_batch_sizes = xla_batch_sizes(xla_max_batch)
         # A snapshot of the trained weights, see the module docstring.
         self._output_kernel = tf.Variable(
             model.embedding.transposed_embeddings(), trainable=False, name="output_kernel"
@@ -218,7 +229,7 @@ class Translator(tf.Module):
             batch_size = tf.shape(source_ids)[0]
             best = tf.cond(
                 (batch_size > 0) & (batch_size <= self.xla_max_batch),
-                lambda: self._compiled_search(pad_to_bucket(source_ids, self.xla_buckets)),
+                lambda: self._xla_search(source_ids),
                 lambda: self._search(source_ids),
             )
         else:
@@ -299,6 +310,13 @@ class Translator(tf.Module):
         """`translate`'s beam search: the best `Hypotheses` of int32 `source_ids`."""
         return beam_search(self.model, source_ids, self.decoding, output_kernel=self._output_kernel)
 
+    def _xla_search(self, source_ids):
+        """`_search` compiled with XLA, on sources padded to a bucket's length and rows (see the module docstring)."""
+        padded = pad_to_bucket(pad_to_bucket(source_ids, self.xla_buckets), self.xla_batch_sizes, axis=0)
+        best = self._compiled_search(padded)
+        batch_size = tf.shape(source_ids)[0]
+        return Hypotheses(*(tensor[:batch_size] for tensor in best))
+
     def _source_ids(self, text):
         """EOS-terminated, padded source ids `[batch, length]`, and which rows are blank."""
         tokens = self.tokenizer.tokenize(text)[:, : self.max_source_length - 1]
@@ -320,22 +338,36 @@ def _own_if_unset(option, value, own):
 
 def xla_buckets(max_source_length):
     """Source lengths the XLA search is compiled for: 16, 32, 64, ... and `max_source_length`."""
-    buckets = []
-    length = MIN_XLA_BUCKET
-    while length < max_source_length:
-        buckets.append(length)
-        length *= 2
-    return buckets + [max_source_length]
+    return _doubling(MIN_XLA_BUCKET, max_source_length)
 
 
-def pad_to_bucket(source_ids, buckets):
-    """`source_ids [batch, length]` padded with `PAD_ID` to the first bucket >= length.
+def xla_batch_sizes(xla_max_batch):
+    """Batch sizes the XLA search is compiled for: 1, 2, 4, ... and `xla_max_batch` (none for 0)."""
+    return _doubling(1, xla_max_batch) if xla_max_batch >= 1 else []
 
-    Padding changes nothing but the shape: it is masked, and each row's output limit
-    comes from its own unpadded length.
+
+def _doubling(first, last):
+    """`first`, twice that, ... while below `last`, then `last`."""
+    sizes = []
+    size = first
+    while size < last:
+        sizes.append(size)
+        size *= 2
+    return sizes + [last]
+
+
+def pad_to_bucket(source_ids, buckets, axis=1):
+    """`source_ids [batch, length]` padded with `PAD_ID` along `axis` to the first bucket >= its size.
+
+    Padding changes nothing but the shape. Along the length (`axis=1`) it is masked, and
+    each row's output limit comes from its own unpadded length; along the batch
+    (`axis=0`) it adds rows of padding only, which the search skips (see
+    `decoding.beam_search`). A size above the last bucket is left as it is.
     """
     buckets = tf.constant(buckets, tf.int32)
-    length = tf.shape(source_ids)[1]
-    index = tf.searchsorted(buckets, length[None], side="left")[0]
+    size = tf.shape(source_ids)[axis]
+    index = tf.searchsorted(buckets, size[None], side="left")[0]
     target = tf.gather(buckets, tf.minimum(index, tf.size(buckets) - 1))
-    return tf.pad(source_ids, [[0, 0], [0, tf.maximum(target - length, 0)]], constant_values=PAD_ID)
+    padding = [[0, 0], [0, 0]]
+    padding[axis] = [0, tf.maximum(target - size, 0)]
+    return tf.pad(source_ids, padding, constant_values=PAD_ID)

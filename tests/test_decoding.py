@@ -144,6 +144,19 @@ def test_padding_and_other_rows_do_not_change_a_translation(trained_model, sourc
             np.testing.assert_allclose(other.scores[row], alone.scores[0], rtol=1e-5)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_a_row_of_padding_only_gets_no_hypothesis_and_changes_no_other_row(trained_model, source_ids, jit_compile):
+    # What a translator pads a batch with, to a size XLA compiled before.
+    expected = decode(trained_model, source_ids[:3])
+    padded = np.concatenate([source_ids[:3], np.full((2, source_ids.shape[1]), PAD_ID, source_ids.dtype)])
+    found = decode(trained_model, padded, jit_compile=jit_compile)
+    np.testing.assert_array_equal(found.tokens[:3], expected.tokens)
+    np.testing.assert_allclose(found.scores[:3], expected.scores, rtol=1e-5)
+    np.testing.assert_array_equal(found.lengths[3:], 0)
+    np.testing.assert_array_equal(found.scores[3:], decoding.NEG_INF)
+    assert (found.tokens[3:] == PAD_ID).all()
+
+
 def test_long_outputs_cross_the_growing_cache_segments_unchanged(trained_model, source_ids):
     # 40 tokens (an id never generated as EOS): the self-attention buffers grow
     # 16 -> 32 -> 40 positions in the cached search; the uncached one has no buffer.
@@ -158,7 +171,7 @@ def test_long_outputs_cross_the_growing_cache_segments_unchanged(trained_model, 
 
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_a_search_traces_the_decoder_once_for_all_its_loops(tiny_translation_run, source_ids, jit_compile):
-    # One loop per cache length, 16 -> 32 -> 40 here (two per length under XLA's halving):
+    # One loop per cache length, 16 -> 32 -> 40 here (one per batch size under XLA's halving):
     # tracing the decoder for each was a quarter to half of a translator's start-up.
     from keras_transformer import run_dir
 

@@ -354,6 +354,20 @@ def test_source_buckets_cover_every_length_once():
         assert (padded[:, :length] == 1).all() and (padded[:, length:] == 0).all()
 
 
+def test_batch_sizes_cover_every_batch_once():
+    from keras_transformer.translator import pad_to_bucket, xla_batch_sizes
+
+    assert xla_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert xla_batch_sizes(24) == [1, 2, 4, 8, 16, 24]
+    assert xla_batch_sizes(1) == [1]
+    assert xla_batch_sizes(0) == []
+    for rows in (1, 3, 4, 5, 17, 24):
+        ids = tf.ones([rows, 7], tf.int32)
+        padded = pad_to_bucket(ids, xla_batch_sizes(24), axis=0).numpy()
+        assert padded.shape == (min(b for b in xla_batch_sizes(24) if b >= rows), 7)
+        assert (padded[:rows] == 1).all() and (padded[rows:] == 0).all()
+
+
 def test_an_xla_export_translates_like_the_graph_translator_and_compiles_each_batch_shape_once(
     tiny_translation_run, translator, sentences, tmp_path
 ):
@@ -362,8 +376,9 @@ def test_an_xla_export_translates_like_the_graph_translator_and_compiles_each_ba
     Batches of 1 to `xla_max_batch` sentences are searched with XLA, larger ones in graph
     mode, where done rows leave the batch, and so is an empty one: all give the graph
     translator's results. Served in a process of its own, whose XLA compilations are
-    counted (`--xla_dump_to`): a batch shape compiles the first time only, and a larger
-    batch or an empty one never does (an empty request used to compile for batch 0).
+    counted (`--xla_dump_to`): a batch shape compiles the first time only, a batch padded
+    to a size met before (3 to 4) does not compile, and a larger batch or an empty one
+    never does (an empty request used to compile for batch 0).
     """
     xla_max_batch = 4
     version_dir = saved_model.export_run(
@@ -372,9 +387,13 @@ def test_an_xla_export_translates_like_the_graph_translator_and_compiles_each_ba
     )
     _assert_each_search_saved_once(version_dir, tf.saved_model.load(str(version_dir)).signatures)  # XLA's too.
     batch = [text.encode("utf-8") for text in sentences[:6]] + BAD_INPUTS
-    sizes = [xla_max_batch, len(batch), xla_max_batch, 0, 1]  # Each request: the batch's first sentences.
+    # Each request: a slice of the batch. 1:4 holds 3 of 0:4's sentences, the longest
+    # included: the same source bucket, and 3 rows padded to 4.
+    slices = [(0, xla_max_batch), (0, len(batch)), (0, xla_max_batch), (1, 4), (0, 0), (0, 1), (0, 2)]
     dump_dir, requests_path, results_path = tmp_path / "xla_dump", tmp_path / "requests.json", tmp_path / "results.json"
-    requests_path.write_text(json.dumps([[base64.b64encode(text).decode() for text in batch[:size]] for size in sizes]))
+    requests_path.write_text(
+        json.dumps([[base64.b64encode(text).decode() for text in batch[start:end]] for start, end in slices])
+    )
     subprocess.run(
         [sys.executable, str(REPO / "tests" / "count_xla_compilations.py"), str(version_dir), str(dump_dir),
          str(requests_path), str(results_path)],
@@ -382,11 +401,11 @@ def test_an_xla_export_translates_like_the_graph_translator_and_compiles_each_ba
     )
     results = json.loads(results_path.read_text())
 
-    assert [result["search_compilations"] for result in results] == [1, 1, 1, 1, 2]
+    assert [result["search_compilations"] for result in results] == [1, 1, 1, 1, 1, 2, 3]
     expected = translate(translator.translate, batch)
-    for size, found in zip(sizes, results):
-        assert found["translation"] == [text.decode("utf-8") for text in expected["translation"][:size]]
-        np.testing.assert_allclose(found["score"], expected["score"][:size], rtol=1e-4, atol=1e-5)
+    for (start, end), found in zip(slices, results, strict=True):
+        assert found["translation"] == [text.decode("utf-8") for text in expected["translation"][start:end]]
+        np.testing.assert_allclose(found["score"], expected["score"][start:end], rtol=1e-4, atol=1e-5)
 
 
 def test_long_inputs_are_translated_from_their_first_tokens(served, tiny_translation_run):
