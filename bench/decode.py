@@ -21,6 +21,12 @@ Usage:
    Targets: cached per_step_marginal at L=160 within 1.5x of L=10; cached T(160) at least
    4x below uncached T(160).
 
+   With `--ctranslate2 DIR` (`python -m export --format ctranslate2` of the same run),
+   CTranslate2 (float32, `intra_threads` 1 and 2: modes `ct2_1t`, `ct2_2t`) decodes the
+   same sources, as pieces, the same way (`min_decoding_length` = `max_decoding_length`
+   = L, no length penalty), in this process: the engines' steps side by side. Its
+   `translate_batch` takes lists of pieces, so its searches do not include tokenizing.
+
    The machine's limit for a cached step: with one sentence, a step multiplies each
    decoder weight matrix by `beam` rows, one multiply-add per beam for each weight read,
    so memory reads, not FLOP/s, set its floor. Each cached figure is also given as the rate at
@@ -63,6 +69,8 @@ MODES = {
     "cached_xla": dict(use_cache=True, jit_compile=True),
     "uncached": dict(use_cache=False, jit_compile=False),
 }
+# CTranslate2's modes (with --ctranslate2): its CPU threads.
+CTRANSLATE2_MODES = {"ct2_1t": 1, "ct2_2t": 2}
 
 
 def find_run_dir(root: Path) -> Path | None:
@@ -122,7 +130,8 @@ def cached_step_weight_bytes(model):
 
 
 def fixed_length_search(model, source_ids, length, mode, beam_size):
-    """A function running one search that decodes exactly `length` tokens per hypothesis."""
+    """A function running one search that decodes exactly `length` tokens per hypothesis,
+    and one giving the lengths that search decoded."""
     options = MODES[mode]
     never = model.vocab_size  # an id outside the vocabulary: no hypothesis ever ends early
 
@@ -136,11 +145,42 @@ def fixed_length_search(model, source_ids, length, mode, beam_size):
             **options,
         )
 
-    return run
+    return run, lambda out: out.lengths.numpy()
 
 
-def time_searches(model, source_ids, lengths, mode, beam_size, rounds, min_seconds):
+def ctranslate2_fixed_length_search(translator, source_pieces, length, beam_size):
+    """`fixed_length_search` for CTranslate2: EOS is forbidden before `length` tokens, and the search stops there."""
+
+    def run():
+        return translator.translate_batch(
+            source_pieces,
+            beam_size=beam_size,
+            length_penalty=0,
+            max_input_length=0,
+            min_decoding_length=length,
+            max_decoding_length=length,
+        )
+
+    return run, lambda out: np.array([len(result.hypotheses[0]) for result in out])
+
+
+def open_ctranslate2(directory: Path, threads: int):
+    """`(translator, pieces)`: a float32 CPU `ctranslate2.Translator` of an export, and its vocabulary."""
+    import json
+
+    import ctranslate2
+
+    translator = ctranslate2.Translator(
+        str(directory), device="cpu", compute_type="float32", intra_threads=threads, inter_threads=1
+    )
+    return translator, json.loads((directory / "shared_vocabulary.json").read_text(encoding="utf-8"))
+
+
+def time_searches(make_search, lengths, rounds, min_seconds):
     """Median seconds per search for each of `lengths`, timed in interleaved rounds.
+
+    `make_search(length)` gives a search function and a function of its output giving
+    the lengths it decoded (checked to be `length`).
 
     Each round times every length once, a short search several times in a row
     (averaged, so that each length gets about `min_seconds` over all rounds): a drift
@@ -149,13 +189,13 @@ def time_searches(model, source_ids, lengths, mode, beam_size, rounds, min_secon
     """
     runs, first_call, calls = {}, {}, {}
     for length in lengths:
-        run = fixed_length_search(model, source_ids, length, mode, beam_size)
+        run, decoded_lengths = make_search(length)
         start = time.perf_counter()
         out = run()
         common.sync(out)
         first_call[length] = time.perf_counter() - start
-        if not np.all(out.lengths.numpy() == length):
-            raise RuntimeError(f"expected {length} decoded tokens, got {out.lengths.numpy()}")
+        if not np.all(decoded_lengths(out) == length):
+            raise RuntimeError(f"expected {length} decoded tokens, got {decoded_lengths(out)}")
         start = time.perf_counter()
         common.sync(run())
         once = time.perf_counter() - start
@@ -182,14 +222,25 @@ def per_step_benchmark(model, args, weight_bytes, peak_read_bytes_per_s):
     source[:, -1] = EOS_ID
     source_ids = tf.constant(source)
     results = []
-    for mode in args.modes:
+    modes = list(args.modes) + (list(CTRANSLATE2_MODES) if args.ctranslate2 else [])
+    for mode in modes:
         lengths = sorted(set([1] + args.lengths))
         if mode == "uncached":
             lengths = [length for length in lengths if length <= args.max_uncached_length]
+        if mode in CTRANSLATE2_MODES:
+            translator, pieces = open_ctranslate2(args.ctranslate2, CTRANSLATE2_MODES[mode])
+            source_pieces = [[pieces[i] for i in row[:-1]] for row in source]  # CTranslate2 adds EOS
+
+            def make_search(length, translator=translator, source_pieces=source_pieces):
+                return ctranslate2_fixed_length_search(translator, source_pieces, length, args.beam_size)
+
+        else:
+
+            def make_search(length, mode=mode):
+                return fixed_length_search(model, source_ids, length, mode, args.beam_size)
+
         try:
-            timings = time_searches(
-                model, source_ids, lengths, mode, args.beam_size, args.repeats, args.min_seconds
-            )
+            timings = time_searches(make_search, lengths, args.repeats, args.min_seconds)
         except Exception as e:  # e.g. XLA unsupported on this device
             print(f"[decode] {mode}: FAILED {e!r}"[:400], flush=True)
             results += [{"mode": mode, "length": length, "error": repr(e)[:500]} for length in lengths]
@@ -209,7 +260,7 @@ def per_step_benchmark(model, args, weight_bytes, peak_read_bytes_per_s):
                 "per_step_marginal_s": marginal,
             }
             note = ""
-            if mode != "uncached" and marginal and marginal > 0:
+            if mode in ("cached", "cached_xla") and marginal and marginal > 0:
                 rate = weight_bytes / marginal
                 result["weight_read_bytes_per_s"] = rate
                 result["read_bandwidth_utilisation"] = rate / peak_read_bytes_per_s
@@ -321,6 +372,10 @@ def parse_args():
     parser.add_argument("--batch1-sentences", type=int, default=200, help="0: all")
     parser.add_argument("--batch32-sentences", type=int, default=0, help="0: all")
     parser.add_argument("--skip-sentences", action="store_true", help="only the per-step part")
+    parser.add_argument(
+        "--ctranslate2", type=Path, default=None,
+        help="a CTranslate2 export of the same run: also time its steps (float32, 1 and 2 threads)",
+    )
     parser.add_argument("--output-name", default="decode")
     common.add_load_args(parser)
     common.add_results_dir_arg(parser)

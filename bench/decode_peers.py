@@ -2,7 +2,7 @@
 
 Usage:
     python -m export --run-dir runs/RUN --out /tmp/peer-graph --alpha 0
-    python -m export --run-dir runs/RUN --out /tmp/peer-xla --alpha 0 --jit-compile
+    python -m export --run-dir runs/RUN --out /tmp/peer-xla --alpha 0 --jit-compile --xla-max-batch 32
     python -m export --format ctranslate2 --run-dir runs/RUN --out /tmp/peer-ct2
     python bench/decode_peers.py --saved-model /tmp/peer-graph --saved-model-xla /tmp/peer-xla \\
         --ctranslate2 /tmp/peer-ct2 --rounds 3          # ~20 min on 2 idle cores (1 round: ~8)
@@ -11,7 +11,8 @@ Usage:
 Engines, one row each (`--engines` picks some):
 
 * `ours-graph`: the SavedModel's `serving_default` (text -> text, beam search in graph mode);
-* `ours-xla`: the same from an export made with `--jit-compile` (the search compiled by XLA);
+* `ours-xla`: the same from an export made with `--jit-compile` (the search compiled by XLA;
+  with `--xla-max-batch 32`, its batches of 32 too, which otherwise take the graph-mode search);
 * `ct2-float32-1t`, `ct2-float32-2t`: CTranslate2 (`ctranslate2.Translator`, CPU, float32)
   with `intra_threads` 1 and 2 (and `inter_threads` 1: one request is computed at a time);
 * `ct2-int8-1t`, `ct2-int8-2t`: the same weights quantized by CTranslate2 at load time

@@ -4,15 +4,15 @@ Usage:
     python bench/report.py                 # reads and writes this machine's bench/results/<machine>/
     python bench/report.py --results DIR   # e.g. bench/results/amd-epyc, written with --results-dir
 
-Reads `train_throughput.json`, `decode.json`, `serving*.json`, `decode_peers*.json` and
-`profile-*.json` (whichever exist), and writes:
+Reads `train_throughput.json`, `decode.json` and `decode-*.json`, `serving*.json`,
+`decode_peers*.json` and `profile-*.json` (whichever exist), and writes:
 
 * `RESULTS.md`: the machine, then one table per benchmark, with the targets marked met
   or missed, and a warning where the machine was busy during a measurement;
 * `train_throughput.png`: training tokens/s per configuration (preset, precision, XLA),
   one bar per implementation;
-* `decode_step_time.png`: beam-search time per decoding step vs output length
-  (log-log), cached (graph / XLA) and uncached;
+* `decode_step_time.png` (`decode-NAME_step_time.png`): beam-search time per decoding
+  step vs output length (log-log), cached (graph / XLA), uncached and CTranslate2's;
 * `decode_peers.png`: sentences/s with batches of 32 and the one-sentence p50 of each
   engine of `decode_peers.py` (our SavedModel in graph mode and with XLA, CTranslate2).
 """
@@ -239,6 +239,12 @@ def decode_section(payload):
             "EOS suppressed so every hypothesis runs to exactly L tokens. "
             "Per step = (T(L) − T(1)) / (L − 1) (decoder steps alone); total/L includes the encoder."
         )
+        if any(r["mode"].startswith("ct2_") for r in per_step):
+            lines.append(
+                "`ct2_1t`, `ct2_2t`: CTranslate2 (float32, 1 and 2 threads) on the same weights and sources, "
+                "in the same process, held to L tokens by its minimum and maximum decoding lengths; "
+                "its searches take pieces, so they do not tokenize."
+            )
         lengths = sorted({r["length"] for r in per_step if r["length"] > 1})
         lines.append("")
         lines += mode_by_length_table(
@@ -322,7 +328,7 @@ def mode_by_length_table(rows, lengths, header, cell):
     return lines
 
 
-def plot_decode(payload, out: Path):
+def plot_decode(payload, out: Path, stem: str = "decode"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -367,7 +373,7 @@ def plot_decode(payload, out: Path):
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = out / "decode_step_time.png"
+    path = out / ("decode_step_time.png" if stem == "decode" else f"{stem}_step_time.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -593,7 +599,10 @@ def main():
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     out = args.results
-    train, decode = (load(out, n) for n in ("train_throughput", "decode"))
+    train = load(out, "train_throughput")
+    # decode.json, and decode-*.json written with --output-name (e.g. batches, or CTranslate2's steps).
+    decode_paths = [*out.glob("decode.json"), *sorted(out.glob("decode-*.json"))]
+    decodes = [(path.stem, json.loads(path.read_text())) for path in decode_paths]
     # serving.json, and serving-*.json written with --output-name (e.g. an XLA export).
     paths = sorted(out.glob("serving*.json"), key=lambda path: (len(path.name), path.name))
     servings = [json.loads(path.read_text()) for path in paths]
@@ -601,7 +610,9 @@ def main():
     peer_paths = sorted(out.glob("decode_peers*.json"), key=lambda path: (len(path.name), path.name))
     peers = [(path.stem, json.loads(path.read_text())) for path in peer_paths]
     lines = ["# Benchmark results", ""]
-    first = train or decode or (servings[0] if servings else None) or (peers[0][1] if peers else None)
+    first = train or (decodes[0][1] if decodes else None) or (servings[0] if servings else None) or (
+        peers[0][1] if peers else None
+    )
     if first is None:
         raise SystemExit(f"No benchmark results in {out}; run the benchmarks first (see bench/README.md).")
     lines += [f"Machine: {machine_line(first)}.", ""]
@@ -613,9 +624,9 @@ def main():
     if train:
         lines += train_section(train)
         images.append(plot_train(train, out))
-    if decode:
+    for stem, decode in decodes:
         lines += decode_section(decode)
-        images.append(plot_decode(decode, out))
+        images.append(plot_decode(decode, out, stem))
     for serving in servings:
         lines += serving_section(serving)
     for stem, peer in peers:
