@@ -115,7 +115,8 @@ def parse_args(argv=None):
         "--jit-compile",
         action="store_true",
         help="With --run-dir: compile the beam search with XLA (faster per sentence; each "
-        "batch shape compiles once). Not with --n-best or --max-length, which use the "
+        "batch shape compiles once, for tens of seconds: worth it for hundreds of sentences "
+        "or more). Not with --n-best or --max-length, which use the "
         "graph-mode options signature; an export made with --jit-compile uses XLA by itself.",
     )
     xla_batch.add_flag(parser)
