@@ -89,3 +89,31 @@ def test_an_engine_over_rounds_gets_the_median_of_each_timing_and_its_highest_pe
     }
     assert decode_peers.median_record([failed, runs[2]])["batched"]["sentences_per_s"] == 110.0
     assert decode_peers.median_record([failed]) == failed
+
+
+def test_both_engines_decode_exactly_the_asked_tokens_in_the_per_step_benchmark(tmp_path):
+    # The per-step figures compare searches of L tokens: CTranslate2 is held there by its
+    # minimum and maximum decoding lengths, ours by an EOS it never emits.
+    ctranslate2_export = pytest.importorskip("keras_transformer.ctranslate2_export")
+    pytest.importorskip("ctranslate2")
+    import numpy as np
+    import tensorflow as tf
+
+    vocab = 40
+    model = Transformer(vocab, num_layers=1, d_model=16, num_heads=2, d_ff=24, dropout_rate=0.0)
+    model.build()
+    # The decoder's output points at EOS's embedding: left alone, both engines stop after a token.
+    eos_row = model.embedding.embeddings.numpy()[3]
+    beta = next(w for w in model.weights if w.path == "transformer/decoder/layer_0/feed_forward_norm/beta")
+    beta.assign(10.0 * eos_row / np.linalg.norm(eos_row))
+    ctranslate2_export.export_model(model, ["<pad>", "<unk>", "<s>", "</s>"] + [f"▁w{i}" for i in range(4, vocab)],
+                                    tmp_path / "ct2")
+    source = np.array([[5, 9, 11, 3], [7, 8, 30, 3]], np.int32)  # EOS (3) last
+    translator, pieces = decode.open_ctranslate2(tmp_path / "ct2", threads=1)
+    source_pieces = [[pieces[i] for i in row[:-1]] for row in source]
+    for length in (1, 7):
+        for run, decoded_lengths in (
+            decode.fixed_length_search(model, tf.constant(source), length, "cached", beam_size=4),
+            decode.ctranslate2_fixed_length_search(translator, source_pieces, length, beam_size=4),
+        ):
+            assert list(decoded_lengths(run())) == [length, length]
