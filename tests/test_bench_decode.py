@@ -94,10 +94,11 @@ def test_an_engine_over_rounds_gets_the_median_of_each_timing_and_its_highest_pe
 def test_both_engines_decode_exactly_the_asked_tokens_in_the_per_step_benchmark(tmp_path):
     # The per-step figures compare searches of L tokens: CTranslate2 is held there by its
     # minimum and maximum decoding lengths, ours by an EOS it never emits.
-    ctranslate2_export = pytest.importorskip("keras_transformer.ctranslate2_export")
     pytest.importorskip("ctranslate2")
     import numpy as np
     import tensorflow as tf
+
+    from keras_transformer import ctranslate2_export
 
     vocab = 40
     model = Transformer(vocab, num_layers=1, d_model=16, num_heads=2, d_ff=24, dropout_rate=0.0)
