@@ -56,10 +56,11 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
   buffer and the model's self-attention cache has a fixed size written in place, so
   the cached search runs under `tf.function(jit_compile=True)` (as long as `beam_size`
   is a Python int). The cache still grows with the output: the search runs as a few
-  loops, one per cache size (16, 32, 64 positions, then the whole buffer), and grows
+  loops, one per cache size (8, 16, 32, 64 positions, then the whole buffer), and grows
   the cache between them, so that the per-step reorder and attention work on a buffer
-  close to the output's length. The uncached path recomputes the growing prefix every
-  step (a reference for tests and benchmarks, not for use).
+  close to the output's length; once every row is done, the larger sizes are skipped.
+  The uncached path recomputes the growing prefix every step (a reference for tests and
+  benchmarks, not for use).
 * A step is one `tf.function` that every loop calls, so the scoring function (a
   model's decoder) is traced once per search, not once per loop (a loop per cache
   size, two under XLA's halving): tracing those copies was a quarter to half of a
@@ -391,10 +392,55 @@ def search(
         )
         if not may_halve:
             return full_batch(state, rows, results)
+        # `half < size` is a constant once XLA knows the batch size: it drops the branch
+        # that a batch of one row never takes (no loop of it to compile).
         return tf.cond(
-            should_continue(state, end),  # stopped to halve
+            tf.logical_and(half < size, should_continue(state, end)),  # stopped to halve
             lambda: halving_loops(*_halved(state, rows, results, half, beam_size), end, halvings - 1, halved=True),
             lambda: full_batch(state, rows, results),
+        )
+
+    def segment(state: BeamState, rows: Rows, results: Finished, end, first_of_several):
+        """The steps writing cache positions below `end`."""
+        if halve_batch:
+            # Few rows finish within the first cache size: halving there would compile
+            # two more loops for little.
+            return halving_loops(state, rows, results, end, 0 if first_of_several else XLA_HALVINGS)
+        if drop_done_rows:
+            return tf.while_loop(
+                lambda state, rows, results: should_continue(state, end),
+                step,
+                (state, rows, results),
+                shape_invariants=tf.nest.map_structure(_any_batch_size, (state, rows, results)),
+            )
+        # Only the state varies: loop variables that never change broke XLA's lowering here.
+        (state,) = tf.while_loop(
+            lambda state: should_continue(state, end),
+            lambda state: (grow(state, rows),),
+            (state,),
+            shape_invariants=(tf.nest.map_structure(_any_batch_size, state),),
+        )
+        return state, rows, results
+
+    ends = [*(cache_lengths or []), max_decode_length]
+
+    def segments_from(index, state: BeamState, rows: Rows, results: Finished) -> Finished:
+        """Searches the cache segments from `ends[index]` on; returns every row's hypotheses.
+
+        The later segments are skipped once every row is done: under XLA, growing a
+        batch's cache for steps no row takes cost as much as a few steps.
+        """
+        if index:
+            state = state._replace(alive_cache=extend_cache_fn(state.alive_cache, ends[index]))
+        state, rows, results = segment(state, rows, results, ends[index], index == 0 and len(ends) > 1)
+
+        def searched():
+            return _with_rows(results, rows.ids, _finished(state))
+
+        if index == len(ends) - 1:
+            return searched()
+        return tf.cond(
+            tf.reduce_all(state.rows_done), searched, lambda: segments_from(index + 1, state, rows, results)
         )
 
     if cache_lengths and extend_cache_fn is None:
@@ -404,40 +450,22 @@ def search(
     results = _finished(state)
     if halve_batch:  # One more row, where the padding rows' results go (see `_padded_rows`).
         results = Finished(*(tf.concat([r, r[:1]], axis=0) for r in results))
-    state = with_rows_done(state, rows)
-    for segment, end in enumerate([*(cache_lengths or []), max_decode_length]):
-        if segment:
-            state = state._replace(alive_cache=extend_cache_fn(state.alive_cache, end))
-        if halve_batch:
-            state, rows, results = halving_loops(state, rows, results, end, XLA_HALVINGS)
-        elif drop_done_rows:
-            state, rows, results = tf.while_loop(
-                lambda state, rows, results, end=end: should_continue(state, end),
-                step,
-                (state, rows, results),
-                shape_invariants=tf.nest.map_structure(_any_batch_size, (state, rows, results)),
-            )
-        else:  # Only the state varies: loop variables that never change broke XLA's lowering here.
-            (state,) = tf.while_loop(
-                lambda state, end=end: should_continue(state, end),
-                lambda state: (grow(state, rows),),
-                (state,),
-                shape_invariants=(tf.nest.map_structure(_any_batch_size, state),),
-            )
-    results = _with_rows(results, rows.ids, _finished(state))
+    results = segments_from(0, with_rows_done(state, rows), rows, results)
     if halve_batch:
         results = Finished(*(r[:batch_size] for r in results))
     return _hypotheses(results, n_best, pad_id)
 
 
-def doubling_cache_lengths(max_decode_length, first=16, doublings=2):
+def doubling_cache_lengths(max_decode_length, first=8, doublings=3):
     """Cache lengths for `search(cache_lengths=...)`: `first`, twice that, ... (`doublings` times).
 
     Each is capped at `max_decode_length` (a segment whose length repeats the
     previous one runs no step), so each step works on a buffer under twice the
     output's length (past `first` and up to `first * 2 ** doublings`), and growing
     copies the cache about twice over a whole search. The count is fixed so that it
-    does not depend on a traced `max_decode_length`.
+    does not depend on a traced `max_decode_length`. Under XLA, where every row of a
+    batch pays for the longest cache, starting at 8 rather than 16 positions made
+    batches faster and cost one more compiled loop per batch size.
     """
     return [tf.minimum(first * 2**i, max_decode_length) for i in range(doublings + 1)]
 

@@ -342,6 +342,40 @@ def test_a_cache_that_does_not_grow_is_too_short_for_the_history_scorer():
         search(cache_lengths=[1])
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_search_whose_rows_are_all_done_grows_its_cache_no_further(jit_compile):
+    # Rows of at most 1 and 2 tokens in a buffer of 8: after the second step every row is
+    # done, so of the segments [1, 2, 4, then 8] only the second needs its cache grown.
+    tables = make_tables_of([1, 2], seed=5)
+    grown = tf.Variable(0)
+
+    def counted_extend(cache, length):
+        with tf.control_dependencies([grown.assign_add(1)]):
+            return tf.nest.map_structure(tf.identity, extend_history(cache, length))
+
+    @tf.function(jit_compile=jit_compile, autograph=False)
+    def run():
+        return decoding.search(
+            make_history_scorer(tables),
+            tf.fill([2], START),
+            {"history": tf.zeros([2, 1], tf.int32), "row": tf.range(2)},
+            8,
+            eos_id=EOS,
+            beam_size=4,
+            alpha=0.6,
+            row_max_lengths=tf.constant([1, 2]),
+            n_best=4,
+            cache_lengths=[1, 2, 4],
+            extend_cache_fn=counted_extend,
+        )
+
+    result = tf.nest.map_structure(np.asarray, run())
+    assert int(grown.numpy()) == 1
+    for row, max_length in enumerate([1, 2]):
+        expected = all_hypotheses(tables[row], max_length, 0.6)[:4]
+        assert [tokens for _, tokens in as_hypotheses(result, row)] == [tokens for _, tokens in expected]
+
+
 def test_doubling_cache_lengths_double_up_to_the_buffer_length():
     lengths = decoding.doubling_cache_lengths(tf.constant(100), first=8, doublings=5)
     assert [int(n) for n in lengths] == [8, 16, 32, 64, 100, 100]
