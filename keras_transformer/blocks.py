@@ -347,7 +347,7 @@ class DecoderLayer(_ResidualBlock):
             `encoder_outputs` had when given to `init_cache` does (the cache keeps it).
         training: Whether dropout is active.
         cache: For incremental decoding, a dict `{"self": {"key", "value"},
-            "cross": {"key", "value"}}` as made by `init_cache` (`"cross"` also
+            "cross": {"transposed_key", "value"}}` as made by `init_cache` (`"cross"` also
             holds `"mask"` when the encoder outputs had a Keras mask). `"cross"`
             may have fewer rows than `inputs` (`rows` where `inputs` has
             `rows * g`): the beams of a sentence share its memory, see
@@ -390,7 +390,8 @@ class DecoderLayer(_ResidualBlock):
             max_decode_length: Positions of the self-attention buffer.
 
         Returns:
-            `{"self": {"key", "value"}, "cross": {"key", "value"}}`, plus
+            `{"self": {"key", "value"}, "cross": {"transposed_key", "value"}}` (see
+            `MultiHeadAttention.project_key_value`), plus
             `"cross"`'s boolean `"mask"` `[batch, source_length]` if the encoder
             outputs had a Keras mask.
         """
@@ -428,7 +429,7 @@ class DecoderLayer(_ResidualBlock):
         # With a cache: the projected memory, and the padding `init_cache` kept with it.
         memory = memory_mask = None
         if cache is not None:
-            memory = {"key": cache["cross"]["key"], "value": cache["cross"]["value"]}
+            memory = {"transposed_key": cache["cross"]["transposed_key"], "value": cache["cross"]["value"]}
             memory_mask = cache["cross"].get("mask")
         cross_mask = intersect(_as_attention_mask(encoder_padding_mask), _as_attention_mask(memory_mask))
         scores = {}

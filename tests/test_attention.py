@@ -209,7 +209,7 @@ def test_projected_memory_is_in_the_compute_dtype_and_gives_the_uncached_output(
     layer = MultiHeadAttention(HEADS, dtype=policy)
     uncached = layer(query, value)
     memory = layer.project_key_value(value)
-    assert memory["key"].dtype == memory["value"].dtype == layer.compute_dtype
+    assert memory["transposed_key"].dtype == memory["value"].dtype == layer.compute_dtype
     cached, _ = layer(query, None, cache=memory)
     assert cached.dtype == uncached.dtype == layer.compute_dtype
     np.testing.assert_array_equal(np.asarray(cached, "float32"), np.asarray(uncached, "float32"))
