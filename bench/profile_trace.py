@@ -4,6 +4,7 @@ Usage:
     python bench/profile_trace.py train                                  # small, float32, ours
     python bench/profile_trace.py train --preset base --jit on --impl peer_noattndrop
     python bench/profile_trace.py serving --saved-model models/transformer-small-xla
+    python bench/profile_trace.py serving --saved-model models/transformer-small-xla --batch 32
 
 Each run writes a TensorBoard profile (`--logdir`, default `runs/profile/<name>`; open
 it with `tensorboard --logdir ...`, Profile tab, which needs the `xprof` package of the
@@ -16,8 +17,9 @@ of the trace:
   and backward apart); with `--jit on`, per XLA operation kind and per operation
   (fusions, matmuls), as for serving.
 * `serving`: the time of each XLA operation (fusions, matmuls, the top-k custom call)
-  inside the beam search of `--requests` single-sentence requests, per request. Use a
-  `--jit-compile` export (a graph-mode export shows TensorFlow ops instead).
+  inside the beam search of `--requests` requests of `--batch` sentences (default 1),
+  per request. Use a `--jit-compile` export (a graph-mode export shows TensorFlow ops
+  instead).
 
 XLA:CPU records its operations only with `XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true`,
 which this script sets before TensorFlow starts. Op times are summed over the threads
@@ -218,21 +220,23 @@ def profile_serving(args) -> tuple[str, dict]:
     from serving import load_sentences, resolve_version_dir
 
     signature = tf.saved_model.load(str(resolve_version_dir(args.saved_model))).signatures["serving_default"]
-    sentences = load_sentences(args.data_dir, "en", args.warmup + args.requests)
-    for sentence in sentences[: args.warmup]:  # XLA compiles each bucket once
-        signature(tf.constant([sentence]))
-    name = f"serving-{args.saved_model.name}"
+    sentences = load_sentences(args.data_dir, "en", (args.warmup + args.requests) * args.batch)
+    requests = [sentences[i : i + args.batch] for i in range(0, len(sentences), args.batch)]
+    for request in requests[: args.warmup]:  # XLA compiles each bucket once
+        signature(tf.constant(request))
+    name = f"serving-{args.saved_model.name}" + (f"-batch{args.batch}" if args.batch > 1 else "")
     logdir = Path(args.logdir or f"runs/profile/{name}")
     started = time.perf_counter()
     tf.profiler.experimental.start(str(logdir))
-    for sentence in sentences[args.warmup :]:
-        signature(tf.constant([sentence]))["translation"].numpy()
+    for request in requests[args.warmup :]:
+        signature(tf.constant(request))["translation"].numpy()
     tf.profiler.experimental.stop()
     elapsed = time.perf_counter() - started
     xla = summarize_xla_ops(logdir, args.requests)
     summary = {
         "saved_model": str(args.saved_model),
         "requests": args.requests,
+        "sentences_per_request": args.batch,
         "wall_ms_per_request_under_profiler": round(elapsed / args.requests * 1e3, 2),
         "timeline": xla["timeline"],
         "request_ms": xla["outer_ms"],
@@ -271,12 +275,13 @@ def parse_args():
     train.add_argument("--vocab-size", type=int, default=8000)
     train.add_argument("--steps", type=int, default=3, help="profiled steps (after 3 warm-up steps)")
     serving = commands.add_parser(
-        "serving", parents=[shared], help="single-sentence requests to an exported SavedModel"
+        "serving", parents=[shared], help="requests to an exported SavedModel"
     )
     serving.add_argument("--saved-model", type=Path, required=True)
     serving.add_argument("--data-dir", default=None, help="Multi30k directory (default: MULTI30K_DIR / shared)")
     serving.add_argument("--warmup", type=int, default=40)
     serving.add_argument("--requests", type=int, default=20)
+    serving.add_argument("--batch", type=int, default=1, help="sentences per request")
     return parser.parse_args()
 
 

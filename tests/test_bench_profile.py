@@ -142,4 +142,4 @@ def test_shared_options_work_before_and_after_the_command(monkeypatch, argv):
 def test_shared_options_keep_their_defaults_when_not_given(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["profile_trace.py", "serving", "--saved-model", "m"])
     args = profile_trace.parse_args()
-    assert (args.top, args.logdir, args.results_dir) == (12, None, profile_trace.common.RESULTS_DIR)
+    assert (args.top, args.logdir, args.results_dir, args.batch) == (12, None, profile_trace.common.RESULTS_DIR, 1)
