@@ -33,9 +33,9 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
   the encoder memory), so that no step scores a row that is done: a batch costs about
   what its rows cost one by one, not its longest row's steps for every row. Under XLA,
   whose shapes are fixed, the batch halves instead: once at most half of its rows are
-  open, the open ones move to a batch of half the size (`XLA_HALVINGS` times at most;
-  each size compiles one more loop per cache length). Results are the same either way
-  (`drop_done_rows`).
+  open, the open ones move to a batch of half the size (`XLA_HALVINGS` times at most
+  per cache length, but the first; each size compiles one more loop per cache length).
+  Results are the same either way (`drop_done_rows`).
 * A minimum length (`min_length`, fairseq's `--min-len`): EOS is not generated before
   that many other tokens. `DecodingSettings` defaults to 1, so that a sentence never
   translates to an empty output (a blank one is the caller's to handle), as with fairseq
