@@ -56,9 +56,10 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
   buffer and the model's self-attention cache has a fixed size written in place, so
   the cached search runs under `tf.function(jit_compile=True)` (as long as `beam_size`
   is a Python int). The cache still grows with the output: the search runs as a few
-  loops, one per cache size (8, 16, 32, 64 positions, then the whole buffer), and grows
+  loops, one per cache size (e.g. 16, 32, 64 positions, then the whole buffer), and grows
   the cache between them, so that the per-step reorder and attention work on a buffer
-  close to the output's length; once every row is done, the larger sizes are skipped.
+  close to the output's length; under XLA, once every row is done, the larger sizes
+  are skipped.
   The uncached path recomputes the growing prefix every step (a reference for tests and
   benchmarks, not for use).
 * A step is one `tf.function` that every loop calls, so the scoring function (a
@@ -427,8 +428,9 @@ def search(
     def segments_from(index, state: BeamState, rows: Rows, results: Finished) -> Finished:
         """Searches the cache segments from `ends[index]` on; returns every row's hypotheses.
 
-        The later segments are skipped once every row is done: under XLA, growing a
-        batch's cache for steps no row takes cost as much as a few steps.
+        Under XLA the later segments are skipped once every row is done: growing a
+        fixed-shape batch's cache for steps no row takes cost as much as a few steps. In
+        graph mode done rows have left the batch, and a branch would only add tracing.
         """
         if index:
             state = state._replace(alive_cache=extend_cache_fn(state.alive_cache, ends[index]))
@@ -439,6 +441,8 @@ def search(
 
         if index == len(ends) - 1:
             return searched()
+        if not compiling_with_xla():
+            return segments_from(index + 1, state, rows, results)
         return tf.cond(
             tf.reduce_all(state.rows_done), searched, lambda: segments_from(index + 1, state, rows, results)
         )
@@ -456,16 +460,14 @@ def search(
     return _hypotheses(results, n_best, pad_id)
 
 
-def doubling_cache_lengths(max_decode_length, first=8, doublings=3):
+def doubling_cache_lengths(max_decode_length, first=16, doublings=2):
     """Cache lengths for `search(cache_lengths=...)`: `first`, twice that, ... (`doublings` times).
 
     Each is capped at `max_decode_length` (a segment whose length repeats the
     previous one runs no step), so each step works on a buffer under twice the
     output's length (past `first` and up to `first * 2 ** doublings`), and growing
     copies the cache about twice over a whole search. The count is fixed so that it
-    does not depend on a traced `max_decode_length`. Under XLA, where every row of a
-    batch pays for the longest cache, starting at 8 rather than 16 positions made
-    batches faster and cost one more compiled loop per batch size.
+    does not depend on a traced `max_decode_length`.
     """
     return [tf.minimum(first * 2**i, max_decode_length) for i in range(doublings + 1)]
 
