@@ -228,9 +228,9 @@ def _search_transformer(
     row_max_lengths = tf.where(source_lengths > 0, tf.maximum(row_max_lengths, 1), 0)
 
     if use_cache:
-        # The self-attention buffers grow with the output (see doubling_cache_lengths): under
-        # XLA, where every row of a batch pays for the longest buffer, from a smaller one
-        # (batches of 32 took a twentieth less time; graph mode's single sentences lost 4%).
+        # The self-attention buffers grow with the output (see doubling_cache_lengths). Under
+        # XLA every row of a batch pays for the longest buffer, so it starts smaller there;
+        # graph mode's single sentences were slower that way (docs/performance.md).
         first, doublings = (8, 3) if compiling_with_xla() else (16, 2)
         cache_lengths = doubling_cache_lengths(buffer_length, first, doublings)
         layer_caches = model.init_cache(encoder_outputs, cache_lengths[0])
