@@ -40,6 +40,13 @@ def load(results_dir: Path, name: str):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def load_named(results_dir: Path, *patterns: str):
+    """`(stem, payload)` of every JSON matching `patterns`, shortest name first (`NAME.json`,
+    then the `NAME-*.json` written with `--output-name`)."""
+    paths = {path for pattern in patterns for path in results_dir.glob(pattern)}
+    return [(path.stem, json.loads(path.read_text())) for path in sorted(paths, key=lambda p: (len(p.name), p.name))]
+
+
 def fmt(value, digits=0):
     if value is None:
         return "–"
@@ -600,15 +607,9 @@ def main():
     args = parser.parse_args()
     out = args.results
     train = load(out, "train_throughput")
-    # decode.json, and decode-*.json written with --output-name (e.g. batches, or CTranslate2's steps).
-    decode_paths = [*out.glob("decode.json"), *sorted(out.glob("decode-*.json"))]
-    decodes = [(path.stem, json.loads(path.read_text())) for path in decode_paths]
-    # serving.json, and serving-*.json written with --output-name (e.g. an XLA export).
-    paths = sorted(out.glob("serving*.json"), key=lambda path: (len(path.name), path.name))
-    servings = [json.loads(path.read_text()) for path in paths]
-    # decode_peers.json, and decode_peers-*.json written with --output-name.
-    peer_paths = sorted(out.glob("decode_peers*.json"), key=lambda path: (len(path.name), path.name))
-    peers = [(path.stem, json.loads(path.read_text())) for path in peer_paths]
+    decodes = load_named(out, "decode.json", "decode-*.json")  # e.g. batches, or CTranslate2's steps
+    servings = [payload for _, payload in load_named(out, "serving*.json")]  # e.g. an XLA export
+    peers = load_named(out, "decode_peers*.json")
     lines = ["# Benchmark results", ""]
     first = train or (decodes[0][1] if decodes else None) or (servings[0] if servings else None) or (
         peers[0][1] if peers else None
