@@ -159,7 +159,8 @@ def test_a_row_of_padding_only_gets_no_hypothesis_and_changes_no_other_row(train
 
 def test_long_outputs_cross_the_growing_cache_segments_unchanged(trained_model, source_ids):
     # 40 tokens (an id never generated as EOS): the self-attention buffers grow
-    # 16 -> 32 -> 40 positions in the cached search; the uncached one has no buffer.
+    # 16 -> 32 -> 40 positions in the cached search (8 -> 16 -> 32 -> 40 under XLA); the
+    # uncached one has no buffer.
     options = dict(beam_size=4, n_best=4, max_output_length=40, eos_id=-1)
     uncached = decode(trained_model, source_ids[:3], use_cache=False, **options)
     np.testing.assert_array_equal(uncached.lengths, 40)
@@ -171,7 +172,8 @@ def test_long_outputs_cross_the_growing_cache_segments_unchanged(trained_model, 
 
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_a_search_traces_the_decoder_once_for_all_its_loops(tiny_translation_run, source_ids, jit_compile):
-    # One loop per cache length, 16 -> 32 -> 40 here (one per batch size under XLA's halving):
+    # One loop per cache length, 16 -> 32 -> 40 here (8 first under XLA, and one per batch size
+    # under its halving):
     # tracing the decoder for each was a quarter to half of a translator's start-up.
     from keras_transformer import run_dir
 
