@@ -166,10 +166,18 @@ class Translator(tf.Module):
         )
         # An attribute, so that a SavedModel holds it with its XLA attribute. Its input
         # signature keys it as saving lists it: without one, saving traced it again.
+        source_spec = [tf.TensorSpec([None, None], tf.int32)]
         self._compiled_search = (
+            tf.function(self._search, input_signature=source_spec, jit_compile=True, autograph=False)
+            if jit_compile
+            else None
+        )
+        # `translate`'s other branch, kept a function call: inlined, the graph search's
+        # thousands of ops would each pass a dead tensor on every XLA translation.
+        self._fallback_search = (
             tf.function(
-                self._search, input_signature=[tf.TensorSpec([None, None], tf.int32)], jit_compile=True,
-                autograph=False,
+                self._search, input_signature=source_spec, autograph=False,
+                experimental_attributes={"_noinline": True},
             )
             if jit_compile
             else None
@@ -230,7 +238,7 @@ class Translator(tf.Module):
             best = tf.cond(
                 (batch_size > 0) & (batch_size <= self.xla_max_batch),
                 lambda: self._xla_search(source_ids),
-                lambda: self._search(source_ids),
+                lambda: self._fallback_search(source_ids),
             )
         else:
             best = self._search(source_ids)

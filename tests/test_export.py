@@ -368,6 +368,29 @@ def test_batch_sizes_cover_every_batch_once():
         assert (padded[:rows] == 1).all() and (padded[rows:] == 0).all()
 
 
+def test_an_xla_translators_graph_search_is_one_call_that_is_never_inlined(tiny_translation_run):
+    """`translate` picks the XLA search or the graph search with a cond, whose untaken branch
+    still passes a dead tensor through each of its ops: the graph search must stay one
+    call, or its thousands of ops would slow down every XLA translation."""
+    translator = Translator.from_run_dir(tiny_translation_run, jit_compile=True, xla_max_batch=2)
+    graph = translator.translate.get_concrete_function().graph
+    library = {function.signature.name: function for function in graph.as_graph_def().library.function}
+
+    def calls(branch):
+        return [library[node.attr["f"].func.name] for node in branch.node_def if "f" in node.attr]
+
+    ((_, graph_branch),) = [
+        (library[op.get_attr("then_branch").name], library[op.get_attr("else_branch").name])
+        for op in graph.get_operations()
+        if op.type in ("If", "StatelessIf")
+        and any(function.attr["_XlaMustCompile"].b for function in calls(library[op.get_attr("then_branch").name]))
+    ]
+
+    (graph_search,) = calls(graph_branch)
+    assert len(graph_branch.node_def) < 10
+    assert graph_search.attr["_noinline"].b  # else TensorFlow inlines it when it runs
+
+
 def test_an_xla_export_translates_like_the_graph_translator_and_compiles_each_batch_shape_once(
     tiny_translation_run, translator, sentences, tmp_path
 ):
