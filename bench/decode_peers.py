@@ -11,8 +11,8 @@ Usage:
 Engines, one row each (`--engines` picks some):
 
 * `ours-graph`: the SavedModel's `serving_default` (text -> text, beam search in graph mode);
-* `ours-xla`: the same from an export made with `--jit-compile` (the search compiled by XLA;
-  with `--xla-max-batch 32`, its batches of 32 too, which otherwise take the graph-mode search);
+* `ours-xla`: the same from an export made with `--jit-compile` (the search compiled by XLA,
+  batches of more than `--xla-max-batch` sentences that many at a time);
 * `ct2-float32-1t`, `ct2-float32-2t`: CTranslate2 (`ctranslate2.Translator`, CPU, float32)
   with `intra_threads` 1 and 2 (and `inter_threads` 1: one request is computed at a time);
 * `ct2-int8-1t`, `ct2-int8-2t`: the same weights quantized by CTranslate2 at load time

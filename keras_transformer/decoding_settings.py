@@ -18,8 +18,8 @@ EARLY_STOPPING = ("exact", "current_length")
 DEFAULT_MIN_LENGTH = 1
 # Largest beam a translator accepts: the served search's buffers grow with it.
 MAX_BEAM_SIZE = 16
-# Largest batch a compiled translator searches with XLA; larger ones take the graph-mode
-# search, which was as fast at 32 sentences (docs/performance.md) and compiles nothing.
+# Most sentences a compiled translator searches at once; larger batches are searched that
+# many at a time: most of a larger compiled batch's speed, with fewer compilations and less memory.
 DEFAULT_XLA_MAX_BATCH = 16
 
 

@@ -30,13 +30,13 @@ Input handling, chosen so that no input makes serving fail:
   length, so a sentence translates the same alone or in any batch (up to float
   rounding of different batch shapes).
 
-With `jit_compile=True`, `translate`'s search of a batch of 1 to `xla_max_batch`
-sentences (not the tokenizer, whose ops XLA cannot compile) runs as one XLA
-computation, which on CPUs saves most of the per-op overhead (see
-docs/performance.md). Its fixed shapes keep the rows that are done in the batch until
-the batch halves (`search_core.XLA_HALVINGS`); larger batches take the graph-mode
-search, where done rows leave one by one, and so does an empty one, which is not
-worth a compilation of its own. XLA compiles once per input shape, so
+With `jit_compile=True`, `translate`'s search (not the tokenizer, whose ops XLA cannot
+compile) runs as one XLA computation per `xla_max_batch` sentences at most, which on
+CPUs saves most of the per-op overhead (see docs/performance.md): a larger batch is
+searched that many sentences at a time, each chunk padded to its own longest source,
+and an empty one is not searched. The fixed shapes keep the rows that are done in
+the batch until the batch halves (`search_core.XLA_HALVINGS`), where the graph-mode
+search drops them one by one. XLA compiles once per input shape, so
 sources are padded to a few bucket lengths (powers of two from 16 to
 `max_source_length`) and batches to a few sizes (1, 2, 4, ... up to `xla_max_batch`,
 with rows of padding only, which the search skips): a server compiles each (batch size,
@@ -100,11 +100,11 @@ class Translator(tf.Module):
             at `model.max_positions` for learned positional encodings).
         vocabulary_file: Optional path of the tokenizer's SentencePiece model file;
             saved with the module as an asset (`assets/`), for clients and tools.
-        jit_compile: Compile `translate`'s beam search with XLA for batches of 1 to
-            `xla_max_batch` sentences, sources padded to `xla_buckets` lengths (see the
-            module docstring). `translate_with_options` stays in graph mode.
-        xla_max_batch: With `jit_compile`, the largest batch searched with XLA
-            (0: none; a large value: all).
+        jit_compile: Compile `translate`'s beam search with XLA, sources padded to
+            `xla_buckets` lengths and batches to `xla_batch_sizes` (see the module
+            docstring). `translate_with_options` stays in graph mode.
+        xla_max_batch: With `jit_compile`, the most sentences searched at once
+            (at least 1); larger batches are searched that many at a time.
         name: Module name.
 
     Keep a reference to the translator while calling `translate` or
@@ -128,6 +128,8 @@ class Translator(tf.Module):
         super().__init__(name=name)
         if not isinstance(decoding, DecodingSettings):
             raise TypeError(f"decoding must be a DecodingSettings, got {decoding!r}.")
+        if jit_compile and xla_max_batch < 1:
+            raise ValueError(f"xla_max_batch must be at least 1 with jit_compile, got {xla_max_batch}.")
         if not model.built:
             raise ValueError(
                 "Translator needs a trained model, whose weights exist; this one is not "
@@ -166,18 +168,20 @@ class Translator(tf.Module):
         )
         # An attribute, so that a SavedModel holds it with its XLA attribute. Its input
         # signature keys it as saving lists it: without one, saving traced it again.
-        source_spec = [tf.TensorSpec([None, None], tf.int32)]
         self._compiled_search = (
-            tf.function(self._search, input_signature=source_spec, jit_compile=True, autograph=False)
+            tf.function(
+                self._search, input_signature=[tf.TensorSpec([None, None], tf.int32)], jit_compile=True,
+                autograph=False,
+            )
             if jit_compile
             else None
         )
-        # `translate`'s other branch, kept a function call: inlined, the graph search's
-        # thousands of ops would each pass a dead tensor on every XLA translation.
-        self._fallback_search = (
+        # `translate`'s other branch, kept one call: inlined, each op of its loop would
+        # pass a dead tensor on every translation of a batch that XLA searches at once.
+        self._xla_translate_in_chunks = (
             tf.function(
-                self._search, input_signature=source_spec, autograph=False,
-                experimental_attributes={"_noinline": True},
+                self._translate_in_chunks, input_signature=[tf.TensorSpec([None, None], tf.int32)],
+                autograph=False, experimental_attributes={"_noinline": True},
             )
             if jit_compile
             else None
@@ -235,16 +239,17 @@ class Translator(tf.Module):
         source_ids, blank = self._source_ids(text)
         if self.jit_compile:
             batch_size = tf.shape(source_ids)[0]
-            best = tf.cond(
+            translations, scores = tf.cond(
                 (batch_size > 0) & (batch_size <= self.xla_max_batch),
-                lambda: self._xla_search(source_ids),
-                lambda: self._fallback_search(source_ids),
+                lambda: self._xla_translate(source_ids),
+                lambda: self._xla_translate_in_chunks(source_ids),
             )
         else:
             best = self._search(source_ids)
+            translations, scores = self._detokenize(best.tokens), best.scores
         return {
-            signature_table.TRANSLATION.name: tf.where(blank, "", self._detokenize(best.tokens)),
-            signature_table.SCORE.name: tf.where(blank, 0.0, best.scores),
+            signature_table.TRANSLATION.name: tf.where(blank, "", translations),
+            signature_table.SCORE.name: tf.where(blank, 0.0, scores),
         }
 
     @tf.function(input_signature=_input_specs(signature_table.TRANSLATE_WITH_OPTIONS), autograph=False)
@@ -317,6 +322,34 @@ class Translator(tf.Module):
     def _search(self, source_ids):
         """`translate`'s beam search: the best `Hypotheses` of int32 `source_ids`."""
         return beam_search(self.model, source_ids, self.decoding, output_kernel=self._output_kernel)
+
+    def _xla_translate(self, source_ids):
+        """Texts and scores of the best translations of up to `xla_max_batch` rows, searched with XLA."""
+        best = self._xla_search(source_ids)
+        return self._detokenize(best.tokens), best.scores
+
+    def _translate_in_chunks(self, source_ids):
+        """`_xla_translate` of any number of rows (none for an empty batch), `xla_max_batch` at a time."""
+        chunk = self.xla_max_batch
+        chunks = (tf.shape(source_ids)[0] + chunk - 1) // chunk
+
+        def translate_chunk(index, texts, scores):
+            rows = source_ids[index * chunk : (index + 1) * chunk]
+            # Cut to the chunk's longest source: its bucket, not the whole batch's.
+            rows = rows[:, : tf.reduce_max(tf.reduce_sum(tf.cast(rows != PAD_ID, tf.int32), axis=1))]
+            chunk_texts, chunk_scores = self._xla_translate(rows)
+            return index + 1, texts.write(index, chunk_texts), scores.write(index, chunk_scores)
+
+        _, texts, scores = tf.while_loop(
+            lambda index, *_: index < chunks,
+            translate_chunk,
+            (
+                tf.constant(0),
+                tf.TensorArray(tf.string, size=chunks, infer_shape=False, element_shape=[None]),
+                tf.TensorArray(tf.float32, size=chunks, infer_shape=False, element_shape=[None]),
+            ),
+        )
+        return texts.concat(), scores.concat()
 
     def _xla_search(self, source_ids):
         """`_search` compiled with XLA, on sources padded to a bucket's length and rows (see the module docstring)."""

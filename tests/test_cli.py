@@ -109,7 +109,7 @@ def test_translate_with_an_unknown_early_stop_is_a_usage_error_that_lists_the_ch
     "flags, message",
     [
         (["--xla-max-batch", "8"], "--xla-max-batch needs --jit-compile."),
-        (["--jit-compile", "--xla-max-batch", "-1"], "--xla-max-batch must be 0 or more."),
+        (["--jit-compile", "--xla-max-batch", "0"], "--xla-max-batch must be at least 1."),
     ],
 )
 def test_translate_takes_xla_max_batch_with_jit_compile_only(capsys, flags, message):
@@ -129,7 +129,7 @@ def test_translate_searches_batches_up_to_xla_max_batch_with_xla(run, multi30k_t
     assert translator.xla_max_batch == (DEFAULT_XLA_MAX_BATCH if expected is None else expected)
     with pytest.raises(SystemExit):
         cli.parse_args(["--help"])
-    assert f"searched with XLA (default {DEFAULT_XLA_MAX_BATCH})" in " ".join(capsys.readouterr().out.split())
+    assert f"searched at once (default {DEFAULT_XLA_MAX_BATCH})" in " ".join(capsys.readouterr().out.split())
 
 
 def test_translate_with_a_run_traces_a_signature_when_it_first_calls_it(run, multi30k_tokenizer):

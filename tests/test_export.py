@@ -368,10 +368,10 @@ def test_batch_sizes_cover_every_batch_once():
         assert (padded[:rows] == 1).all() and (padded[rows:] == 0).all()
 
 
-def test_an_xla_translators_graph_search_is_one_call_that_is_never_inlined(tiny_translation_run):
-    """`translate` picks the XLA search or the graph search with a cond, whose untaken branch
-    still passes a dead tensor through each of its ops: the graph search must stay one
-    call, or its thousands of ops would slow down every XLA translation."""
+def test_an_xla_translators_loop_over_chunks_is_one_call_that_is_never_inlined(tiny_translation_run):
+    """`translate` picks one XLA search of the batch or a loop over chunks of it with a cond,
+    whose untaken branch still passes a dead tensor through each of its ops: the loop must
+    stay one call, or its ops would slow down every translation of a small batch."""
     translator = Translator.from_run_dir(tiny_translation_run, jit_compile=True, xla_max_batch=2)
     graph = translator.translate.get_concrete_function().graph
     library = {function.signature.name: function for function in graph.as_graph_def().library.function}
@@ -379,16 +379,16 @@ def test_an_xla_translators_graph_search_is_one_call_that_is_never_inlined(tiny_
     def calls(branch):
         return [library[node.attr["f"].func.name] for node in branch.node_def if "f" in node.attr]
 
-    ((_, graph_branch),) = [
+    ((_, loop_branch),) = [
         (library[op.get_attr("then_branch").name], library[op.get_attr("else_branch").name])
         for op in graph.get_operations()
         if op.type in ("If", "StatelessIf")
         and any(function.attr["_XlaMustCompile"].b for function in calls(library[op.get_attr("then_branch").name]))
     ]
 
-    (graph_search,) = calls(graph_branch)
-    assert len(graph_branch.node_def) < 10
-    assert graph_search.attr["_noinline"].b  # else TensorFlow inlines it when it runs
+    (loop,) = calls(loop_branch)
+    assert len(loop_branch.node_def) < 10
+    assert loop.attr["_noinline"].b  # else TensorFlow inlines it when it runs
 
 
 def test_an_xla_export_translates_like_the_graph_translator_and_compiles_each_batch_shape_once(
@@ -396,12 +396,12 @@ def test_an_xla_export_translates_like_the_graph_translator_and_compiles_each_ba
 ):
     """XLA and padded sources change the speed, not the translations (graph mode is the truth).
 
-    Batches of 1 to `xla_max_batch` sentences are searched with XLA, larger ones in graph
-    mode, where done rows leave the batch, and so is an empty one: all give the graph
+    Batches of up to `xla_max_batch` sentences are searched at once, larger ones that many
+    sentences at a time, each chunk padded to its own longest source; all give the graph
     translator's results. Served in a process of its own, whose XLA compilations are
     counted (`--xla_dump_to`): a batch shape compiles the first time only, a batch padded
-    to a size met before (3 to 4) does not compile, and a larger batch or an empty one
-    never does (an empty request used to compile for batch 0).
+    to a size met before (3 to 4) does not compile, and an empty one is not searched (an
+    empty request used to compile for batch 0).
     """
     xla_max_batch = 4
     version_dir = saved_model.export_run(
@@ -424,7 +424,9 @@ def test_an_xla_export_translates_like_the_graph_translator_and_compiles_each_ba
     )
     results = json.loads(results_path.read_text())
 
-    assert [result["search_compilations"] for result in results] == [1, 1, 1, 1, 1, 2, 3]
+    # The 11 sentences are 3 chunks: 0:4, the first request's shape, then 4:8 and 8:11 (3 rows
+    # padded to 4; the long text's bucket), of buckets of their own: 2 more compilations.
+    assert [result["search_compilations"] for result in results] == [1, 3, 3, 3, 3, 4, 5]
     expected = translate(translator.translate, batch)
     for (start, end), found in zip(slices, results, strict=True):
         assert found["translation"] == [text.decode("utf-8") for text in expected["translation"][start:end]]
