@@ -132,6 +132,16 @@ def test_translate_searches_batches_up_to_xla_max_batch_with_xla(run, multi30k_t
     assert f"searched at once (default {DEFAULT_XLA_MAX_BATCH})" in " ".join(capsys.readouterr().out.split())
 
 
+@pytest.mark.parametrize("flags", [[], ["--jit-compile"]])
+def test_translate_says_that_xla_compiles_before_it_answers(run, multi30k_tokenizer, tmp_path, capsys, flags):
+    multi30k_tokenizer.save(run_dir.tokenizer_path(run))
+    empty = tmp_path / "empty.en"
+    empty.write_text("")
+    cli = load_translate_cli()
+    assert cli.main(["--run-dir", str(run), *flags, "--input", str(empty), "--output", str(tmp_path / "out")]) == 0
+    assert ("XLA compiles the search" in capsys.readouterr().err) == bool(flags)
+
+
 def test_translate_with_a_run_traces_a_signature_when_it_first_calls_it(run, multi30k_tokenizer):
     """Loading traces nothing: a one-sentence translation would pay for both searches' graphs."""
     from keras_transformer.signatures import SIGNATURES

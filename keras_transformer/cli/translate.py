@@ -23,7 +23,8 @@ With `--output`, the terminal is free for progress: a line on stderr every
 end (none when translations go to stdout, where they are the progress). The file is
 emptied only when the first translations are ready: a command that fails before (a
 model that does not load, an option it refuses) leaves it as it was; one interrupted
-later keeps the translations written so far.
+later keeps the translations written so far. With `--jit-compile`, a first line on
+stderr says that each new batch shape waits for its XLA compilation.
 
 `--attention FILE.png` (with `--run-dir`, for one sentence given as an argument) draws
 the encoder-decoder attention of the translation, teacher forced on the translation as
@@ -384,6 +385,9 @@ def _translate(args):
             module, signatures = load_translator(args)  # `module` must outlive the signatures.
         except LoadError as error:
             return fail(error)
+        if args.jit_compile:  # Else the first batch is a silent wait.
+            print(f"{PROG}: XLA compiles the search for each new batch shape first, for tens of seconds.",
+                  file=sys.stderr)
         try:
             results = translate_all(translate_fn(signatures, args), input_batches(args, stream), args, output)
         except tf.errors.InvalidArgumentError as error:  # An option the model refuses.
