@@ -142,6 +142,25 @@ def test_translate_says_that_xla_compiles_before_it_answers(run, multi30k_tokeni
     assert ("XLA compiles the search" in capsys.readouterr().err) == bool(flags)
 
 
+@pytest.mark.slow
+def test_translate_says_that_an_xla_exports_serving_signature_compiles_first(run, multi30k_tokenizer, tmp_path, capsys):
+    """Read from the export, as a SavedModel loads without the flags it was made with."""
+    from keras_transformer.saved_model import save_translator
+    from keras_transformer.translator import Translator
+
+    multi30k_tokenizer.save(run_dir.tokenizer_path(run))
+    empty = tmp_path / "empty.en"
+    empty.write_text("")
+    cli = load_translate_cli()
+    for jit_compile in (False, True):
+        export = tmp_path / f"export-{jit_compile}"
+        save_translator(Translator.from_run_dir(run, jit_compile=jit_compile), export)
+        for flags, notice in (([], jit_compile), (["--n-best"], False)):  # --n-best: the options signature.
+            command = ["--saved-model", str(export), *flags, "--input", str(empty), "--output", str(tmp_path / "out")]
+            assert cli.main(command) == 0
+            assert ("XLA compiles the search" in capsys.readouterr().err) == notice, (jit_compile, flags)
+
+
 def test_translate_with_a_run_traces_a_signature_when_it_first_calls_it(run, multi30k_tokenizer):
     """Loading traces nothing: a one-sentence translation would pay for both searches' graphs."""
     from keras_transformer.signatures import SIGNATURES

@@ -23,8 +23,9 @@ With `--output`, the terminal is free for progress: a line on stderr every
 end (none when translations go to stdout, where they are the progress). The file is
 emptied only when the first translations are ready: a command that fails before (a
 model that does not load, an option it refuses) leaves it as it was; one interrupted
-later keeps the translations written so far. With `--jit-compile`, a first line on
-stderr says that each new batch shape waits for its XLA compilation.
+later keeps the translations written so far. When the search is XLA's (`--jit-compile`,
+or `serving_default` of an export made with it), a first line on stderr says that each
+new batch shape waits for its XLA compilation.
 
 `--attention FILE.png` (with `--run-dir`, for one sentence given as an argument) draws
 the encoder-decoder attention of the translation, teacher forced on the translation as
@@ -202,6 +203,27 @@ def run_translator(args):
         )
     except (run_dir.RunDirError, ValueError) as error:  # ValueError: a --beam-size it refuses.
         raise LoadError(error) from None
+
+
+def compiles_on_first_batches(args):
+    """Whether the signature `translate_fn` calls is searched with XLA, which compiles each new batch shape."""
+    if args.saved_model:
+        # translate_with_options is never compiled (see `Translator`).
+        return not wants_options(args) and holds_xla_functions(version_directory(args.saved_model))
+    return args.jit_compile
+
+
+def holds_xla_functions(directory):
+    """Whether the SavedModel in `directory` has a function that must be compiled with XLA."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString((Path(directory) / "saved_model.pb").read_bytes())
+    return any(
+        function.attr["_XlaMustCompile"].b
+        for meta_graph in proto.meta_graphs
+        for function in meta_graph.graph_def.library.function
+    )
 
 
 def translate_fn(signatures, args):
@@ -385,7 +407,7 @@ def _translate(args):
             module, signatures = load_translator(args)  # `module` must outlive the signatures.
         except LoadError as error:
             return fail(error)
-        if args.jit_compile:  # Else the first batch is a silent wait.
+        if compiles_on_first_batches(args):  # Else the first batch is a silent wait.
             print(f"{PROG}: XLA compiles the search for each new batch shape first, for tens of seconds.",
                   file=sys.stderr)
         try:
