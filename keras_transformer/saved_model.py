@@ -84,6 +84,21 @@ def next_version(base_dir):
     return max(versions, default=0) + 1
 
 
+def check_model_directory(out):
+    """Refuses an `out` that is a version directory: the versions must go in the model's directory.
+
+    Raises:
+        ExportError: If `out` holds a SavedModel or is named as a version (a number), which
+            TF Serving would read as a version of `out`'s parent.
+    """
+    if out.name.isdigit() or (out / "saved_model.pb").exists():
+        kind = "holds a SavedModel" if (out / "saved_model.pb").exists() else "is named as a version"
+        raise ExportError(
+            f"{out} {kind}: give the model's directory, which the versions go in (--out {out.parent}, "
+            f"with --version N to choose the number)."
+        )
+
+
 def export_run(
     run_dir,
     out,
@@ -116,10 +131,11 @@ def export_run(
         The version directory.
 
     Raises:
-        ExportError: If the version is negative or exists, or the reloaded model is not the
-            in-process one.
+        ExportError: If `out` is a version directory (`check_model_directory`), the version is
+            negative or exists, or the reloaded model is not the in-process one.
     """
     out = Path(out)
+    check_model_directory(out)
     version = next_version(out) if version is None else version
     if version < 0:
         raise ExportError(f"TF Serving loads versions numbered 0 or more, not {version}.")

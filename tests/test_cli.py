@@ -80,6 +80,25 @@ def test_export_with_a_checkpoint_that_does_not_exist(run, tmp_path, capsys):
     assert not (tmp_path / "models").exists()
 
 
+@pytest.mark.parametrize("version_directory", ["1", "holds-a-savedmodel"])
+def test_export_refuses_a_version_directory_as_out(run, tmp_path, capsys, version_directory):
+    """Else the export lands in models/t/1/1, which TF Serving cannot load."""
+    from export.__main__ import main
+
+    out = tmp_path / "models" / "t" / version_directory
+    if not version_directory.isdigit():
+        out.mkdir(parents=True)
+        (out / "saved_model.pb").write_bytes(b"")
+    exit_code = main(["--run-dir", str(run), "--out", str(out)])
+    assert exit_code == 1
+    assert capsys.readouterr().err.strip().endswith(
+        f"give the model's directory, which the versions go in (--out {out.parent}, with --version N to choose "
+        "the number)."
+    )
+    written = sorted(p.name for p in (tmp_path / "models").rglob("*"))
+    assert written == (["holds-a-savedmodel", "saved_model.pb", "t"] if out.exists() else [])
+
+
 def test_translate_without_a_vocabulary(run, capsys):
     exit_code = load_translate_cli().main(["--run-dir", str(run), "A dog."])
     _assert_translate_error(exit_code, capsys.readouterr().err, "has no tokenizer.model")
