@@ -316,7 +316,7 @@ def export_run(run_dir, out, *, which="best", check_sentences=(), log=print):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log(f"Exported {run_dir} ({which} checkpoint) to {out} (CTranslate2).")
+    log(f"Exported {run_dirs.checkpoint_label(run_dir, which)} to {out} (CTranslate2).")
     return out
 
 

@@ -177,6 +177,12 @@ def checkpoint_path(run_dir, which="best"):
     return latest
 
 
+def checkpoint_label(run_dir, which="best"):
+    """`checkpoint_path(run_dir, which)` for messages, with the name it was asked by ("best" is one of three)."""
+    path = checkpoint_path(run_dir, which)
+    return path if path == which else f"{path} ({which})"
+
+
 def _uses_average(run_dir):
     """Whether the run's final model may be its average: not when config.json says `average_last` 0."""
     if not (run_dir / CONFIG_FILE).is_file():

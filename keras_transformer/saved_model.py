@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
+from keras_transformer import run_dir as run_dirs  # Not `run_dir`: export_run's argument.
 from keras_transformer.signatures import (
     OPTIONS_SIGNATURE,
     SCORE,
@@ -165,7 +166,7 @@ def export_run(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log(f"Exported {run_dir} ({which} checkpoint) to {final}.")
+    log(f"Exported {run_dirs.checkpoint_label(run_dir, which)} to {final}.")
     return final
 
 

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,6 +43,10 @@ def test_export_writes_a_checked_version_in_tf_servings_layout(exported, tiny_tr
     ).read_bytes()
     checks = [line for line in lines if line.strip().startswith("ok:")]
     assert len(checks) == 5 and any("as the in-process translator" in line for line in checks)
+    # The last line names the checkpoint that "best" was in this run.
+    exported_from = re.fullmatch(rf"Exported (\S+) \(best\) to {re.escape(str(version_dir))}\.", lines[-1])
+    assert exported_from and Path(exported_from[1]).parent.parent == Path(tiny_translation_run), lines[-1]
+    assert Path(exported_from[1] + ".index").is_file()
     assert saved_model.next_version(version_dir.parent) == 2
     with pytest.raises(saved_model.ExportError, match="exists"):
         saved_model.export_run(tiny_translation_run, version_dir.parent, version=1)
