@@ -299,6 +299,8 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
         )
     if average_only and saved_config is None:
         raise SettingsError(f"--average-only needs an existing run directory; {run} has no config.json.")
+    if "train_steps" in requested and settings.epochs is None:
+        _check_not_shorter_than_trained(run, settings.train_steps)
     _check_vocabulary(run, settings.vocab_size)
     return settings, run, saved_config
 
@@ -316,6 +318,17 @@ def _check_pinned(requested, saved, explicit, run, config_file):
                 f"{run} was trained with {flag(name)} {saved[name]}, not {requested[name]}{given}; use another "
                 f"--run-dir, or {advice} to continue this run."
             )
+
+
+def _check_not_shorter_than_trained(run, train_steps):
+    """Refuses a length below the steps trained, which config.json would keep though the run is longer."""
+    latest = run_dir.latest_checkpoint(run / run_dir.CHECKPOINT_DIR)
+    trained = run_dir.checkpoint_step(latest) if latest else 0
+    if train_steps < trained:
+        raise SettingsError(
+            f"{run} has trained {trained} steps, more than --train-steps {train_steps}: give {trained} or more, "
+            "or leave --train-steps out to evaluate it as it stands."
+        )
 
 
 def _check_lengths(settings):

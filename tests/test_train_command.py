@@ -162,6 +162,14 @@ def test_flags_conflicting_with_the_run_fail_before_anything_is_written(existing
     assert _snapshot(existing_run) == before
 
 
+def test_fewer_steps_than_the_run_trained_are_refused_before_anything_is_written(existing_run, capsys):
+    """Else config.json would say 50 of a run that trained 100 (its checkpoint), and --config it would differ."""
+    before = _snapshot(existing_run)
+    exit_code = train_cli.main(["--run-dir", str(existing_run), "--train-steps", "50"])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "has trained 100 steps, more than --train-steps 50")
+    assert _snapshot(existing_run) == before
+
+
 def test_a_vocabulary_that_does_not_match_the_config_is_refused(existing_run, capsys):
     config = run_dir.read_config(existing_run)
     config["data"]["vocab_size"] = 8000
