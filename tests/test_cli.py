@@ -162,8 +162,13 @@ def test_translate_says_that_xla_compiles_before_it_answers(run, multi30k_tokeni
 
 
 @pytest.mark.slow
-def test_translate_says_that_an_xla_exports_serving_signature_compiles_first(run, multi30k_tokenizer, tmp_path, capsys):
-    """Read from the export, as a SavedModel loads without the flags it was made with."""
+def test_translate_says_that_an_xla_exports_serving_signature_compiles_first(
+    run, multi30k_tokenizer, tmp_path, capsys, caplog
+):
+    """Read from the export, as a SavedModel loads without the flags it was made with.
+
+    And no word of the custom gradients the export leaves out on purpose, which each load warned of.
+    """
     from keras_transformer.saved_model import save_translator
     from keras_transformer.translator import Translator
 
@@ -178,6 +183,7 @@ def test_translate_says_that_an_xla_exports_serving_signature_compiles_first(run
             command = ["--saved-model", str(export), *flags, "--input", str(empty), "--output", str(tmp_path / "out")]
             assert cli.main(command) == 0
             assert ("XLA compiles the search" in capsys.readouterr().err) == notice, (jit_compile, flags)
+    assert "custom gradients" not in caplog.text
 
 
 def test_translate_with_a_run_traces_a_signature_when_it_first_calls_it(run, multi30k_tokenizer):
