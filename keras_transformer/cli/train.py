@@ -1,6 +1,6 @@
 """`kt-train` (`python train.py`): train a Transformer translation model with the recipe of "Attention Is All You Need".
 
-    MULTI30K_DIR=../shared/data/multi30k kt-train         # small preset: 1600 steps, 10-20 min on 2 CPU cores
+    MULTI30K_DIR=../shared/data/multi30k kt-train         # small preset: 1600 steps, 5-20 min on 2 CPU cores
     kt-train --preset medium                               # best Multi30k BLEU in ~1 hour on CPU
     kt-train --preset base --dataset wmt14                 # the paper's base model (GPUs)
     kt-train --run-dir RUN                                 # resume RUN, or evaluate it again if done
