@@ -126,10 +126,32 @@ def test_translating_into_a_file_reports_progress_on_stderr(tiny_translation_run
     end = rf"{cli.PROG}: translated 5 sentences in \d+\.\d s {rate} into {re.escape(str(output_path))}"
     assert re.fullmatch(end, reports[-1])
 
-    # Into stdout, the translations themselves show the progress.
+    # Into stdout redirected to a file (as capsys's is), the same lines.
+    assert cli.main(run) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 5
+    assert re.fullmatch(rf"{cli.PROG}: translated 5 sentences in \d+\.\d s {rate} into stdout",
+                        captured.err.splitlines()[-1]), captured.err[-2000:]
+
+    # Into a terminal, the translations themselves show the progress.
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
     assert cli.main(run) == 0
     captured = capsys.readouterr()
     assert len(captured.out.splitlines()) == 5 and f"{cli.PROG}: " not in captured.err
+
+
+def test_sentences_typed_at_a_terminal_are_told_how_the_input_ends(tiny_translation_run, capsys, monkeypatch):
+    cli = load_translate_cli()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"A dog.\n")))
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)  # No progress lines.
+    for terminal in (False, True):
+        monkeypatch.setattr(sys.stdin, "isatty", lambda: terminal)
+        sys.stdin.buffer.seek(0)
+        assert cli.main(["--run-dir", str(tiny_translation_run)]) == 0
+        captured = capsys.readouterr()
+        assert len(captured.out.splitlines()) == 1
+        assert captured.err.strip().splitlines() == ([f"{cli.PROG}: translating the lines typed here; Ctrl-D ends."]
+                                                     if terminal else []), captured.err
 
 
 def test_a_batch_holds_the_lines_that_have_arrived():

@@ -18,10 +18,11 @@ to a pipe is answered at once, and a file of any size is translated in full batc
 with bounded memory. Lines end at "\\n" only, as the corpus reader's; a line's trailing
 "\\r" (CRLF files) and a leading byte order mark are dropped; invalid UTF-8 is passed on.
 
-With `--output`, the terminal is free for progress: a line on stderr every
-`PROGRESS_SECONDS` with the sentences translated so far and their rate, and one at the
-end (none when translations go to stdout, where they are the progress). The file is
-emptied only when the first translations are ready: a command that fails before (a
+When translations go to a file (`--output`, or stdout redirected), stderr gets a
+progress line every `PROGRESS_SECONDS` with the sentences translated so far and their
+rate, and one at the end (none when they go to a terminal, where they are the
+progress); sentences typed at a terminal get a first line saying how input ends. The
+`--output` file is emptied only when the first translations are ready: a command that fails before (a
 model that does not load, an option it refuses) leaves it as it was; one interrupted
 later keeps the translations written so far. When the search is XLA's (`--jit-compile`,
 or `serving_default` of an export made with it), a first line on stderr says that each
@@ -410,6 +411,8 @@ def _translate(args):
         if compiles_on_first_batches(args):  # Else the first batch is a silent wait.
             print(f"{PROG}: XLA compiles the search for each new batch shape first, for tens of seconds.",
                   file=sys.stderr)
+        if not (args.sentences or args.input) and _is_terminal(sys.stdin):  # Else the command seems to hang.
+            print(f"{PROG}: translating the lines typed here; Ctrl-D ends.", file=sys.stderr)
         try:
             results = translate_all(translate_fn(signatures, args), input_batches(args, stream), args, output)
         except tf.errors.InvalidArgumentError as error:  # An option the model refuses.
@@ -426,7 +429,8 @@ def _translate(args):
 def translate_all(translate, sentence_batches, args, output):
     """Translates and prints batch by batch; returns the last batch's outputs (`None` without input)."""
     translated, results = 0, None
-    progress = FileProgress(args.output) if output is not None else None
+    to_file = output is not None or not _is_terminal(sys.stdout)
+    progress = FileProgress(args.output or "stdout") if to_file else None
     for batch in sentence_batches:
         results = translate(tf.constant(batch, dtype=tf.string))
         stream = sys.stdout if output is None else output.stream()
@@ -437,8 +441,20 @@ def translate_all(translate, sentence_batches, args, output):
             progress.update(translated)
     if output is not None:
         output.stream()  # Emptied also when there was no input.
+    if progress is not None:
         progress.done(translated)
     return results
+
+
+def _is_terminal(stream):
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # Replaced (by a test's capture), or closed.
+        return False
+
+
+def _sentences(count):
+    return f"{count:,} sentence{'' if count == 1 else 's'}"
 
 
 class FileProgress:
@@ -452,11 +468,11 @@ class FileProgress:
         now = time.monotonic()
         if now - self._last >= PROGRESS_SECONDS:
             self._last = now
-            print(f"{PROG}: {translated:,} sentences translated ({self._rate(translated, now)})", file=sys.stderr)
+            print(f"{PROG}: {_sentences(translated)} translated ({self._rate(translated, now)})", file=sys.stderr)
 
     def done(self, translated):
         now = time.monotonic()
-        print(f"{PROG}: translated {translated:,} sentences in {now - self._start:.1f} s "
+        print(f"{PROG}: translated {_sentences(translated)} in {now - self._start:.1f} s "
               f"({self._rate(translated, now)}) into {self._path}", file=sys.stderr)
 
     def _rate(self, translated, now):
