@@ -145,7 +145,7 @@ class OutputReport:
 
     def __str__(self):
         return (f"{self.looping} of {self.sentences} translations loop (a span of 1-{LOOP_SPAN} tokens "
-                f"{LOOP_REPEATS}+ times in a row), {self.short} are under half their reference's length; "
+                f"{LOOP_REPEATS}+ times in a row), {self.short} under half their reference's length; "
                 f"lowercased BLEU {self.lowercase_bleu:.2f} | {self.lowercase_signature}")
 
 

@@ -97,7 +97,8 @@ def read_config(run_dir):
     """
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
-        raise RunDirError(f"{run_dir} is not a run directory: {CONFIG_FILE} is missing.")
+        missing = "it does not exist" if not Path(run_dir).exists() else f"{CONFIG_FILE} is missing"
+        raise RunDirError(f"{run_dir} is not a run directory: {missing}.")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:

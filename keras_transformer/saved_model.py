@@ -167,6 +167,9 @@ def export_run(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     log(f"Exported {run_dirs.checkpoint_label(run_dir, which)} to {final}.")
+    if translator.jit_compile:
+        log("Its search is compiled with XLA: TF Serving serves it on CPUs only when started with "
+            "--xla_cpu_compilation_enabled=true.")
     return final
 
 

@@ -326,8 +326,8 @@ class Trainer:
                         self._best.no_improvement())
             self._cleanup_worker_checkpoints()
             return TrainingResult(start_step, start_step, False, 0.0, 0.0, out_of_patience=True)
-        logger.info("Training %s (%s parameters) on %d replica(s): %s.", type(self.model).__name__,
-                    f"{self.model.count_params():,}", self.strategy.num_replicas_in_sync,
+        logger.info("Training %s (%s parameters) on %s: %s.", type(self.model).__name__,
+                    f"{self.model.count_params():,}", _replicas(self.strategy.num_replicas_in_sync),
                     describe_plan(config, start_step))
         iterator = iter(self._training_stream(dataset_fn, start_step))
         step = start_step
@@ -386,7 +386,7 @@ class Trainer:
             step = int(self.step.numpy())
             progress.log_rest(step)
             path = self.save()
-            logger.info("Interrupted at step %d; saved %s. Run the same command to resume.", step, path)
+            logger.info("Interrupted at step %d; saved %s.", step, path)  # The command says how to resume.
             self._cleanup_worker_checkpoints()
             raise
         finally:
@@ -589,3 +589,7 @@ class Trainer:
     def _cleanup_worker_checkpoints(self):
         if not self.is_chief:
             shutil.rmtree(self._save_dir, ignore_errors=True)
+
+
+def _replicas(count):
+    return f"{count} replica{'' if count == 1 else 's'}"

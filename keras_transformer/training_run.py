@@ -220,7 +220,7 @@ def prepare_tokenizer(run, corpus, settings, strategy):
         partial = path.with_name(f".{path.name}.partial")
         tokenizer.save(partial)
         os.replace(partial, path)  # Atomically: never a truncated vocabulary.
-        logger.info("Learned a %d-token BPE vocabulary in %.0fs: %s", tokenizer.vocab_size,
+        logger.info("Learned a BPE vocabulary of %d tokens in %.0fs: %s", tokenizer.vocab_size,
                     time.monotonic() - started, path)
     distribution.barrier(strategy)  # The other workers read the chief's file.
     return SubwordTokenizer.load(path)

@@ -147,7 +147,9 @@ def test_translate_draws_the_attention_of_its_translation(tiny_translation_run, 
 
     translator = Translator.from_run_dir(tiny_translation_run)
     expected = translator.translate(tf.constant([sentence]))["translation"][0].numpy().decode()
-    assert exit_code == 0 and capsys.readouterr().out == expected + "\n"
+    captured = capsys.readouterr()
+    assert exit_code == 0 and captured.out == expected + "\n"
+    assert captured.err.splitlines()[-1] == f"translate.py: drew the attention of the translation in {picture}"
     height, width, _ = matplotlib.image.imread(picture).shape
     # The tiny model's two decoder layers side by side.
     assert height >= MIN_PIXELS and width >= 2 * MIN_PIXELS

@@ -35,7 +35,9 @@ def _assert_translate_error(exit_code, stderr, *fragments):
 
 def test_translate_without_a_run_directory(tmp_path, capsys):
     exit_code = load_translate_cli().main(["--run-dir", str(tmp_path / "nowhere"), "A dog."])
-    _assert_translate_error(exit_code, capsys.readouterr().err, f"{tmp_path / 'nowhere'} is not a run directory")
+    _assert_translate_error(
+        exit_code, capsys.readouterr().err, f"{tmp_path / 'nowhere'} is not a run directory: it does not exist."
+    )
 
 
 def test_translate_reads_its_input_before_loading_the_model(tmp_path, capsys, monkeypatch):
@@ -465,19 +467,19 @@ def test_translate_refuses_flags_that_would_be_ignored(capsys, flags, message):
 
 
 @pytest.mark.parametrize(
-    "flags",
+    "flags, why",
     [
-        ["--saved-model", "m", "A dog."],
-        ["--run-dir", "r", "A dog.", "A cat."],
-        ["--run-dir", "r"],
-        ["--run-dir", "r", "--input", "sentences.en"],
+        (["--saved-model", "m", "A dog."], "a SavedModel does not return its attention"),
+        (["--run-dir", "r", "A dog.", "A cat."], "it draws one translation"),
+        (["--run-dir", "r"], "it draws one translation"),
+        (["--run-dir", "r", "--input", "sentences.en"], "it draws one translation"),
     ],
 )
-def test_translate_draws_attention_for_one_sentence_argument_of_a_run(capsys, flags):
+def test_translate_draws_attention_for_one_sentence_argument_of_a_run(capsys, flags, why):
     with pytest.raises(SystemExit) as raised:
         load_translate_cli().parse_args(["--attention", "a.png", *flags])
     assert raised.value.code == 2
-    assert "--attention goes with --run-dir and one sentence given as an argument" in capsys.readouterr().err
+    assert f"--attention goes with --run-dir and one sentence given as an argument ({why})." in capsys.readouterr().err
 
 
 def _fresh(module_name):

@@ -358,7 +358,7 @@ def test_a_worker_killed_outright_during_set_up_stops_the_other_with_an_error(tm
 
     assert code == 1, output[-3000:]
     assert "Traceback" not in output and "\nstep 1/" not in output, output[-3000:]
-    assert re.search(r"^Learned a 1000-token BPE vocabulary", output, re.MULTILINE), output[-3000:]
+    assert re.search(r"^Learned a BPE vocabulary of 1000 tokens", output, re.MULTILINE), output[-3000:]
     assert re.search(r"train\.py: error: Another worker stopped without warning, while the workers were setting up "
                      r"\(TensorFlow: .+\)\. Synchronous training cannot go on without it, so this worker stops too\. "
                      r"Start every worker again with the same command\.", output), output[-3000:]

@@ -409,10 +409,11 @@ def test_an_xla_export_translates_like_the_graph_translator_and_compiles_each_ba
     empty request used to compile for batch 0).
     """
     xla_max_batch = 4
+    lines = []
     version_dir = saved_model.export_run(
-        tiny_translation_run, tmp_path / MODEL_NAME, jit_compile=True, xla_max_batch=xla_max_batch,
-        log=lambda line: None,
+        tiny_translation_run, tmp_path / MODEL_NAME, jit_compile=True, xla_max_batch=xla_max_batch, log=lines.append
     )
+    assert lines[-1].endswith("TF Serving serves it on CPUs only when started with --xla_cpu_compilation_enabled=true.")
     _assert_each_search_saved_once(version_dir, tf.saved_model.load(str(version_dir)).signatures)  # XLA's too.
     batch = [text.encode("utf-8") for text in sentences[:6]] + BAD_INPUTS
     # Each request: a slice of the batch. 1:4 holds 3 of 0:4's sentences, the longest

@@ -182,6 +182,13 @@ def test_ctrl_c_ends_the_client_in_one_line(capsys, monkeypatch):
     assert capsys.readouterr().err == "python -m export.client: interrupted\n"
 
 
+def test_a_rest_address_without_its_scheme_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as raised:
+        client_cli.main(["--rest", "localhost:8501", "A dog."])
+    assert raised.value.code == 2
+    assert "--rest takes a URL with its scheme, e.g. http://localhost:8501." in capsys.readouterr().err
+
+
 # What the REST client (and `python -m export.client`) loads of the package: no module that needs more than Python.
 STANDARD_LIBRARY_ONLY = {
     "keras_transformer",

@@ -31,7 +31,7 @@ def parse_args(argv=None):
     server = parser.add_mutually_exclusive_group(required=True)
     server.add_argument("--rest", metavar="URL", help="REST base URL, e.g. http://localhost:8501.")
     server.add_argument("--grpc", metavar="HOST:PORT", help="gRPC address, e.g. localhost:8500.")
-    parser.add_argument("--model", default="transformer", help="Served model name.")
+    parser.add_argument("--model", default="transformer", help="Served model name (default: transformer).")
     parser.add_argument("--version", type=int, help="Model version (default: the latest served).")
     parser.add_argument("--beam-size", type=int, help="Use translate_with_options with this beam.")
     parser.add_argument(
@@ -66,6 +66,8 @@ def parse_args(argv=None):
         parser.error("--batch-size must be at least 1.")
     if args.timeout <= 0:
         parser.error("--timeout must be more than 0.")
+    if args.rest and "://" not in args.rest:
+        parser.error(f"--rest takes a URL with its scheme, e.g. http://{args.rest}.")
     decoding_flags.check(parser, args)
     return args
 

@@ -145,21 +145,26 @@ def build_parser():
                           "overrides the run directory's saved settings and the recipe. Keys: see "
                           "keras_transformer/run_settings.py.")
     run.add_argument("--log-every", **checked("log_every"), default=None,
-                     help="Steps between progress lines and TensorBoard training summaries.")
+                     help="Steps between progress lines and TensorBoard training summaries. "
+                          f"[the preset's: {per_preset('log_every')}]")
     run.add_argument("--checkpoint-every", **checked("checkpoint_every"), default=None,
-                     help="Steps between checkpoints (one is also written at the end and on Ctrl-C).")
-    run.add_argument("--keep-checkpoints", **checked("keep_checkpoints"), default=None, help="Checkpoints to keep.")
+                     help="Steps between checkpoints (one is also written at the end and on Ctrl-C). "
+                          f"[the preset's: {per_preset('checkpoint_every')}]")
+    run.add_argument("--keep-checkpoints", **checked("keep_checkpoints"), default=None,
+                     help=f"Checkpoints to keep. [the preset's: {per_preset('keep_checkpoints')}]")
     run.add_argument("--eval-every", **checked("eval_every"), default=None,
                      help="Steps between validations (loss, perplexity, accuracy, BLEU on the first "
                           "--bleu-sentences validation sentences, attention images); 0: only at the end. "
-                          "With N, the run keeps the checkpoint of its best validation BLEU in RUN/best.")
+                          "With N, the run keeps the checkpoint of its best validation BLEU in RUN/best. "
+                          f"[the preset's: {per_preset('eval_every')}]")
     run.add_argument("--patience", **checked("patience"), default=None,
                      help="Stop training once N validations in a row (--eval-every) have not improved on the "
                           "best validation BLEU; the run's model is then its best checkpoint (or the average "
                           "of --average-last, if it translates better). 0: train all steps. "
                           f"[{general['patience']}]")
     run.add_argument("--bleu-sentences", **checked("bleu_sentences"), default=None,
-                     help="Validation sentences translated for the validation BLEU (0: none).")
+                     help="Validation sentences translated for the validation BLEU (0: none). "
+                          f"[the preset's: {per_preset('bleu_sentences')}]")
     run.add_argument("--average-last", **checked("average_last"), default=None,
                      help="Average the last N checkpoints into RUN/averaged for the final evaluation "
                           "(paper: 5 for base, 20 for big), kept only if its validation BLEU is at least that "

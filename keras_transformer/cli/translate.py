@@ -157,10 +157,8 @@ def parse_args(argv=None):
     if args.checkpoint is not None and args.saved_model:
         parser.error("--checkpoint goes with --run-dir; a SavedModel holds one set of weights.")
     if args.attention is not None and (args.saved_model or len(args.sentences) != 1 or args.input):
-        parser.error(
-            "--attention goes with --run-dir and one sentence given as an argument (a SavedModel "
-            "does not return its attention)."
-        )
+        why = "a SavedModel does not return its attention" if args.saved_model else "it draws one translation"
+        parser.error(f"--attention goes with --run-dir and one sentence given as an argument ({why}).")
     return args
 
 
@@ -421,6 +419,7 @@ def _translate(args):
         try:
             translation = results[signature_table.TRANSLATION.name][0].numpy()
             write_attention(module, os.fsencode(args.sentences[0]), translation, args.attention)
+            print(f"{PROG}: drew the attention of the translation in {args.attention}", file=sys.stderr)
         except OSError as error:
             return fail(f"cannot write --attention {args.attention}: {error.strerror or error}.")
     return 0
