@@ -92,8 +92,9 @@ def check_model_directory(out):
         ExportError: If `out` holds a SavedModel or is named as a version (a number), which
             TF Serving would read as a version of `out`'s parent.
     """
-    if out.name.isdigit() or (out / "saved_model.pb").exists():
-        kind = "holds a SavedModel" if (out / "saved_model.pb").exists() else "is named as a version"
+    holds_savedmodel = (out / "saved_model.pb").exists()
+    if holds_savedmodel or out.name.isdigit():
+        kind = "holds a SavedModel" if holds_savedmodel else "is named as a version"
         raise ExportError(
             f"{out} {kind}: give the model's directory, which the versions go in (--out {out.parent}, "
             f"with --version N to choose the number)."

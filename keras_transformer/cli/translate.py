@@ -22,11 +22,11 @@ When translations go to a file (`--output`, or stdout redirected), stderr gets a
 progress line every `PROGRESS_SECONDS` with the sentences translated so far and their
 rate, and one at the end (none when they go to a terminal, where they are the
 progress); sentences typed at a terminal get a first line saying how input ends. The
-`--output` file is emptied only when the first translations are ready: a command that fails before (a
-model that does not load, an option it refuses) leaves it as it was; one interrupted
-later keeps the translations written so far. When the search is XLA's (`--jit-compile`,
-or `serving_default` of an export made with it), a first line on stderr says that each
-new batch shape waits for its XLA compilation.
+`--output` file is emptied only when the first translations are ready: a command that
+fails before (a model that does not load, an option it refuses) leaves it as it was;
+one interrupted later keeps the translations written so far. When the search is XLA's
+(`--jit-compile`, or `serving_default` of an export made with it), a first line on
+stderr says that each new batch shape waits for its XLA compilation.
 
 `--attention FILE.png` (with `--run-dir`, for one sentence given as an argument) draws
 the encoder-decoder attention of the translation, teacher forced on the translation as
