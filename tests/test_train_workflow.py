@@ -300,7 +300,7 @@ def test_a_run_logs_its_plan_and_an_estimate_after_its_first_timed_steps(tmp_pat
     with caplog.at_level("INFO", logger="keras_transformer.trainer"):
         trainer.fit(_synthetic_pairs_dataset)
     messages = [record.getMessage() for record in caplog.records]
-    assert re.fullmatch(r"Training Transformer \([\d,]+ parameters\) on 1 replica\(s\): 14 steps \(1-14\)\.",
+    assert re.fullmatch(r"Training Transformer \([\d,]+ parameters\) on 1 replica: 14 steps \(1-14\)\.",
                         messages[0]), messages[0]
     estimates = [message for message in messages if "timed steps" in message]
     assert len(estimates) == 1 and re.fullmatch(

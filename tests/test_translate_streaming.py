@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
+from keras_transformer import run_dir
 from keras_transformer.cli import line_input
 from keras_transformer.translator import Translator
 from cli_modules import load_translate_cli  # noqa: E402
@@ -120,8 +121,11 @@ def test_translating_into_a_file_reports_progress_on_stderr(tiny_translation_run
     captured = capsys.readouterr()
     assert captured.out == "" and len(output_path.read_text(encoding="utf-8").splitlines()) == 5
     reports = [line for line in captured.err.splitlines() if line.startswith(f"{cli.PROG}: ")]
+    checkpoint = run_dir.checkpoint_path(tiny_translation_run)
+    assert reports[0] == f"{cli.PROG}: translating with {checkpoint} (best)" and checkpoint.startswith(
+        str(tiny_translation_run))
     rate = r"\(\d+\.\d sentences/s\)"
-    counts = [re.fullmatch(rf"{cli.PROG}: (\d+) sentences translated {rate}", line) for line in reports[:-1]]
+    counts = [re.fullmatch(rf"{cli.PROG}: (\d+) sentences translated {rate}", line) for line in reports[1:-1]]
     assert [found and found.group(1) for found in counts] == ["2", "4", "5"], captured.err[-2000:]
     end = rf"{cli.PROG}: translated 5 sentences in \d+\.\d s {rate} into {re.escape(str(output_path))}"
     assert re.fullmatch(end, reports[-1])
@@ -137,7 +141,8 @@ def test_translating_into_a_file_reports_progress_on_stderr(tiny_translation_run
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
     assert cli.main(run) == 0
     captured = capsys.readouterr()
-    assert len(captured.out.splitlines()) == 5 and f"{cli.PROG}: " not in captured.err
+    assert len(captured.out.splitlines()) == 5
+    assert [line for line in captured.err.splitlines() if line.startswith(f"{cli.PROG}: ")] == reports[:1]
 
 
 def test_sentences_typed_at_a_terminal_are_told_how_the_input_ends(tiny_translation_run, capsys, monkeypatch):
@@ -150,8 +155,8 @@ def test_sentences_typed_at_a_terminal_are_told_how_the_input_ends(tiny_translat
         assert cli.main(["--run-dir", str(tiny_translation_run)]) == 0
         captured = capsys.readouterr()
         assert len(captured.out.splitlines()) == 1
-        assert captured.err.strip().splitlines() == ([f"{cli.PROG}: translating the lines typed here; Ctrl-D ends."]
-                                                     if terminal else []), captured.err
+        told = [line for line in captured.err.splitlines() if line.startswith(f"{cli.PROG}: ")][1:]
+        assert told == ([f"{cli.PROG}: translating the lines typed here; Ctrl-D ends."] if terminal else []), told
 
 
 def test_a_batch_holds_the_lines_that_have_arrived():

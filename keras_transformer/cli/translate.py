@@ -12,6 +12,9 @@ if given) in input order, one per line (`--scores`: "score<TAB>translation";
 each batch. Sources longer than the translator's `max_source_length` (tokens, EOS
 included) are translated from their beginning only; empty lines give empty lines.
 
+A first line on stderr names the weights that translate: the run's checkpoint (and which
+`--checkpoint` it is), or the export's version directory.
+
 Input is read as it arrives, never whole: a batch is what has arrived when its first
 line is read, up to `--batch-size` lines, so a sentence typed at a terminal or written
 to a pipe is answered at once, and a file of any size is translated in full batches
@@ -171,7 +174,8 @@ def wants_options(args):
 def load_translator(args):
     """`(module, signatures)`: an in-process `Translator` for --run-dir, else the loaded SavedModel.
 
-    Keep `module` referenced while using `signatures`: it owns their variables and resources.
+    Says on stderr which weights it loaded. Keep `module` referenced while using
+    `signatures`: it owns their variables and resources.
     """
     if args.saved_model:
         directory = version_directory(args.saved_model)
@@ -180,8 +184,13 @@ def load_translator(args):
         except (OSError, ValueError, tf.errors.OpError) as error:  # A damaged or partly copied export.
             message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise LoadError(f"cannot load the SavedModel in {directory}: {message}") from None
+        print(f"{PROG}: translating with {directory}", file=sys.stderr)
         return module, module.signatures
+    from keras_transformer import run_dir
+
     module = run_translator(args)
+    print(f"{PROG}: translating with {run_dir.checkpoint_label(args.run_dir, args.checkpoint or 'best')}",
+          file=sys.stderr)
     return module, module.signatures()
 
 
