@@ -565,12 +565,20 @@ def _check_model_keys(model_keys, settings, path):
 
 
 def _check_no_orphan_state(run):
-    """Refuses a directory holding checkpoints without config.json; takes over a lone vocabulary.
+    """Refuses checkpoints, or files no run writes, in a directory without config.json; takes over a lone vocabulary.
 
     Runs write config.json before their vocabulary, but earlier versions wrote the
     vocabulary first: a start interrupted then left only tokenizer.model. Nothing was
     trained with it, so the run starts with it (its size is checked next).
     """
+    # Hidden names are a run's partial files (`run_dir.write_config`) or the system's.
+    others = sorted(p.name for p in run.glob("*") if p.name not in _RUN_NAMES and not p.name.startswith("."))
+    if others:  # A mistyped --run-dir (the repository, a data directory) would get a run's files mixed in.
+        listed = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise SettingsError(
+            f"{run} is not empty ({listed}) and is not a run directory (no {run_dir.CONFIG_FILE}): give a new or "
+            "empty --run-dir."
+        )
     if (run / run_dir.CHECKPOINT_DIR).exists():
         raise SettingsError(
             f"{run} holds {run_dir.CHECKPOINT_DIR} but no {run_dir.CONFIG_FILE}; it is not a run of "
@@ -579,6 +587,13 @@ def _check_no_orphan_state(run):
     if run_dir.tokenizer_path(run).is_file():
         logger.warning("%s holds %s but no %s (an interrupted start): starting the run with that vocabulary.",
                        run, run_dir.TOKENIZER_FILE, run_dir.CONFIG_FILE)
+
+
+# What a run writes in its directory (see `keras_transformer.run_dir`).
+_RUN_NAMES = {
+    run_dir.CONFIG_FILE, run_dir.TOKENIZER_FILE, run_dir.CHECKPOINT_DIR, run_dir.AVERAGED_DIR, run_dir.BEST_DIR,
+    run_dir.LOG_DIR, run_dir.TRANSLATIONS_DIR,
+}
 
 
 def _check_vocabulary(run, vocab_size):

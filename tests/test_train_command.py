@@ -180,6 +180,15 @@ def test_a_vocabulary_that_does_not_match_the_config_is_refused(existing_run, ca
     assert _snapshot(existing_run) == before
 
 
+def test_a_directory_of_other_files_is_not_made_a_run(tmp_path, capsys):
+    """A mistyped --run-dir (the repository, a data directory) would get checkpoints and logs mixed in."""
+    (tmp_path / "notes.txt").write_text("mine")
+    before = _snapshot(tmp_path)
+    exit_code = train_cli.main(["--run-dir", str(tmp_path), "--preset", "tiny"])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, f"{tmp_path} is not empty (notes.txt) and is not a run")
+    assert _snapshot(tmp_path) == before
+
+
 def test_checkpoints_without_config_are_not_taken_over(tmp_path, capsys):
     (tmp_path / "checkpoints").mkdir()
     exit_code = train_cli.main(["--run-dir", str(tmp_path), "--preset", "tiny"])
