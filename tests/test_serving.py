@@ -143,7 +143,11 @@ def test_client_cli_sends_batches_of_clean_stdin_lines(rest_server, translator, 
     expected_texts = [*sentences[:4], "bad \ufffd"]
     assert requests == [expected_texts[:2], expected_texts[2:4], expected_texts[4:]]
     expected = translate(translator.translate, [text.encode() for text in expected_texts])["translation"]
-    assert capsys.readouterr().out.splitlines() == [t.decode() for t in expected]
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [t.decode() for t in expected]
+    assert captured.err.splitlines() == [
+        f"{client_cli.PROG}: line 5 is not UTF-8: its malformed bytes translate as U+FFFD "
+        "(a Latin-1 file? `iconv -f LATIN1 -t UTF-8` converts it)."]
 
 
 def test_client_cli_sends_a_line_written_to_stdin_before_stdin_closes(capsys, monkeypatch):

@@ -159,6 +159,37 @@ def test_sentences_typed_at_a_terminal_are_told_how_the_input_ends(tiny_translat
         assert told == ([f"{cli.PROG}: translating the lines typed here; Ctrl-D ends."] if terminal else []), told
 
 
+def test_lines_that_are_not_utf8_are_told_on_stderr(tiny_translation_run, translator, tmp_path, capsys):
+    """A Latin-1 file translates (its malformed bytes as U+FFFD), and stderr says which line to convert first."""
+    cli = load_translate_cli()
+    lines = ["A man in a caf\xe9.", "A dog runs.", "Z\xfcrich at night.", "Two men."]
+    input_path = tmp_path / "latin1.en"
+    input_path.write_bytes("".join(line + "\n" for line in lines).encode("latin-1"))
+
+    assert cli.main(["--run-dir", str(tiny_translation_run), "--input", str(input_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == _translations(translator, [line.encode("latin-1") for line in lines])
+    told = [line for line in captured.err.splitlines() if "UTF-8" in line]
+    assert told == [
+        f"{cli.PROG}: line 1 is not UTF-8: its malformed bytes translate as U+FFFD "
+        "(a Latin-1 file? `iconv -f LATIN1 -t UTF-8` converts it).",
+        f"{cli.PROG}: 2 of the 4 lines were not UTF-8.",
+    ], captured.err[-2000:]
+
+    input_path.write_bytes("".join(line + "\n" for line in lines).encode("utf-8"))
+    assert cli.main(["--run-dir", str(tiny_translation_run), "--input", str(input_path)]) == 0
+    assert "UTF-8" not in capsys.readouterr().err
+
+
+def test_the_first_sentence_that_is_not_utf8_is_told_as_it_arrives():
+    told = []
+    batches = line_input.reporting_invalid_utf8(
+        iter([[b"ok", b"ok"], [b"ok", b"caf\xe9"], [b"\xff"]]), "sentence", told.append)
+    assert next(batches) == [b"ok", b"ok"] and told == []
+    assert next(batches) == [b"ok", b"caf\xe9"] and len(told) == 1 and told[0].startswith("sentence 4 is not UTF-8")
+    assert list(batches) == [[b"\xff"]] and told[1:] == ["2 of the 5 sentences were not UTF-8."]
+
+
 def test_a_batch_holds_the_lines_that_have_arrived():
     """A pipe's lines are batched as they come: no waiting for --batch-size lines or for the end."""
     read_end, write_end = os.pipe()

@@ -77,12 +77,16 @@ def sentence_batches(args):
 
     Stdin is read as `translate.py` reads it (`line_input`): a typed line is sent at
     once, a file in full batches, never whole. Bytes that are not UTF-8 become U+FFFD
-    here: JSON and protobuf strings cannot carry them (the model would read them as
-    U+FFFD too).
+    here, and the first such line is told on stderr: JSON and protobuf strings cannot
+    carry them (the model would read them as U+FFFD too).
     """
     stream = None if args.sentences else sys.stdin.buffer
-    for batch in line_input.sentence_batches(args.sentences, stream, args.batch_size):
+    for batch in line_input.sentence_batches(args.sentences, stream, args.batch_size, _report):
         yield [sentence.decode("utf-8", errors="replace") for sentence in batch]
+
+
+def _report(message):
+    print(f"{PROG}: {message}", file=sys.stderr)
 
 
 def request_options(args):

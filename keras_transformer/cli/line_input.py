@@ -100,8 +100,15 @@ def _read_some(stream, size):
     return stream.read1(size) if hasattr(stream, "read1") else stream.read(size)
 
 
-def sentence_batches(arguments, stream, size):
-    """Batches of at most `size` sentences as bytes: the command-line `arguments` if any, else `stream`'s lines."""
+def sentence_batches(arguments, stream, size, report):
+    """Batches of at most `size` sentences as bytes: the command-line `arguments` if any, else `stream`'s lines.
+
+    `report(message)` is told of sentences that are not UTF-8 (`reporting_invalid_utf8`).
+    """
+    return reporting_invalid_utf8(_batches(arguments, stream, size), "sentence" if arguments else "line", report)
+
+
+def _batches(arguments, stream, size):
     if not arguments:
         yield from arriving_batches(LineReader(stream), size)
         return
@@ -109,6 +116,36 @@ def sentence_batches(arguments, stream, size):
     sentences = [os.fsencode(sentence) for sentence in arguments]
     for start in range(0, len(sentences), size):
         yield sentences[start : start + size]
+
+
+def reporting_invalid_utf8(batches, noun, report):
+    """`batches` as they are; `report(message)` names the first sentence that is not UTF-8, and at the end how many.
+
+    The model reads each malformed byte as U+FFFD, so such a sentence loses its accented
+    letters without failing: most often the file is in a legacy encoding (Latin-1).
+    Sentences are counted from 1 as `noun`s ("line", "sentence").
+    """
+    invalid = count = 0
+    for batch in batches:
+        for sentence in batch:
+            count += 1
+            if _is_utf8(sentence):
+                continue
+            invalid += 1
+            if invalid == 1:
+                report(f"{noun} {count} is not UTF-8: its malformed bytes translate as U+FFFD "
+                       "(a Latin-1 file? `iconv -f LATIN1 -t UTF-8` converts it).")
+        yield batch
+    if invalid > 1:
+        report(f"{invalid:,} of the {count:,} {noun}s were not UTF-8.")
+
+
+def _is_utf8(sentence):
+    try:
+        sentence.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def arriving_batches(lines, size):

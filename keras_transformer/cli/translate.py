@@ -331,8 +331,9 @@ class OutputFile:
 
 
 def input_batches(args, stream):
-    """Batches of sentences as UTF-8 bytes: the arguments', else `stream`'s lines as they arrive."""
-    return line_input.sentence_batches(args.sentences, stream, args.batch_size)
+    """Batches of sentences as bytes: the arguments', else `stream`'s lines as they arrive (see `line_input`)."""
+    return line_input.sentence_batches(
+        args.sentences, stream, args.batch_size, lambda message: print(f"{PROG}: {message}", file=sys.stderr))
 
 
 def print_results(results, first_index, args, file=None):
