@@ -180,6 +180,22 @@ def check_cache_room(cache, cache_index, new_length):
     return tf.debugging.assert_less_equal(end, tf.shape(cache["key"])[2], message=message)
 
 
+def check_memory_rows(query_rows, memory_rows):
+    """Raises ValueError unless a fixed memory's rows divide the query's, when both are known in Python.
+
+    Each memory row serves `query_rows / memory_rows` consecutive query rows (a
+    sentence's beams). With other counts the reshape that groups them would still
+    succeed whenever the query's positions divide evenly, mixing positions of
+    different rows: a silent wrong answer. Unknown counts (graph-mode decoding, whose
+    rows change) are the beam search's to keep right.
+    """
+    if query_rows is not None and memory_rows is not None and query_rows % memory_rows:
+        raise ValueError(
+            f"A query of {query_rows} rows cannot attend to a fixed memory of {memory_rows} rows: each memory "
+            "row serves the same number of consecutive query rows (e.g. a sentence's beams)."
+        )
+
+
 def compiling_with_xla():
     """Whether the ops being made are for an XLA computation (`tf.function(jit_compile=True)`)."""
     from tensorflow.python.ops import control_flow_util  # What tf.while_loop itself asks.
@@ -252,6 +268,10 @@ class MultiHeadAttention(keras.layers.Layer):
         kernel_regularizer, bias_regularizer, kernel_constraint, bias_constraint:
             Regularizers and constraints of the projections' kernels and biases, as
             in `keras.layers.MultiHeadAttention`.
+        activity_regularizer: Penalizes, as in `keras.layers.MultiHeadAttention`,
+            the outputs of the four projections made in a call (the queries, keys,
+            values and output; not the attention scores or a cache), each divided
+            by the batch size.
         dropout, output_shape, seed, attention_axes, flash_attention: Keyword
             arguments of `keras.layers.MultiHeadAttention`, so that code written for
             it runs with this layer (pass the arguments after `key_dim` by keyword:
@@ -276,7 +296,7 @@ class MultiHeadAttention(keras.layers.Layer):
             positions `<= i` (positions count from `cache_index` when decoding
             with a cache).
         return_attention_scores: Whether to also return the attention weights,
-            `[batch, num_heads, target_length, source_length]`, in float32.
+            `[batch, num_heads, target_length, source_length]`, in float32 (float64 in a float64 layer).
         training: Whether dropout is active.
         cache: Optional dict with `"key"` `[batch, num_heads, max_decode_length, key_dim]`
             and `"value"` `[batch, num_heads, max_decode_length, value_dim]` (see
@@ -334,7 +354,11 @@ class MultiHeadAttention(keras.layers.Layer):
         **kwargs,
     ):
         attention_init = attention_init_argument(attention_init, kwargs)
+        # Not the base layer's, which would penalize every output of `call` (the scores, the
+        # cache): as in Keras's layer, the four projections' outputs (`_regularize_activity`).
+        activity_regularizer = keras.regularizers.get(kwargs.pop("activity_regularizer", None))
         super().__init__(**kwargs)
+        self._activity_regularizer = activity_regularizer
         if attention_axes is not None:
             raise ValueError(
                 f"attention_axes must be None: this layer attends over the sequence axis only, got {attention_axes!r}."
@@ -530,6 +554,7 @@ class MultiHeadAttention(keras.layers.Layer):
             Dict with `"key"` `[batch_size, num_heads, max_decode_length, key_dim]` and `"value"`
             `[batch_size, num_heads, max_decode_length, value_dim]`.
         """
+        self._check_built("empty_cache")
         dtype = dtype or self.compute_dtype
         return {
             "key": ops.zeros((batch_size, self.num_heads, max_decode_length, self._key_dim), dtype=dtype),
@@ -574,8 +599,15 @@ class MultiHeadAttention(keras.layers.Layer):
             (see the module docstring) and `"value"` `[batch, num_heads, source_length,
             value_dim]`, in the layer's compute dtype.
         """
+        self._check_built("project_key_value")
         keys, values = self._project_memory(value, key)
         return {"transposed_key": ops.swapaxes(keys, -1, -2), "value": values}
+
+    def _check_built(self, method):
+        if not self.built:  # Else an AttributeError on a weight: the head sizes come from the query's width.
+            raise ValueError(
+                f"MultiHeadAttention.{method} needs a built layer: call it, or build(query_shape, value_shape), first."
+            )
 
     def _project_memory(self, value, key=None):
         """Head-major keys and values of `value` (and `key`), in the compute dtype."""
@@ -626,10 +658,12 @@ class MultiHeadAttention(keras.layers.Layer):
         fixed_memory = cache is not None and cache_index is None  # already projected: keys and values as given
         if fixed_memory:
             transposed_keys, value_heads = cache["transposed_key"], cache["value"]
+            check_memory_rows(query.shape[0], value_heads.shape[0])
             # Queries sharing a memory row attend as one longer query sequence of that
             # row: the same matmuls, without a copy of the memory per query row.
             query = ops.reshape(query, (ops.shape(value_heads)[0], -1, query.shape[-1]))
             query_heads = self._project(query, self.query_kernel, self.query_bias)
+            self._regularize_activity(query_shape[0], query_heads)
         else:
             if value is query and key is None:  # self-attention
                 kernels = [self.query_kernel, self.key_kernel, self.value_kernel]
@@ -645,6 +679,7 @@ class MultiHeadAttention(keras.layers.Layer):
             else:
                 query_heads = self._project(query, self.query_kernel, self.query_bias)
                 key_heads, value_heads = self._project_memory(value, key)
+            self._regularize_activity(query_shape[0], query_heads, key_heads, value_heads)
             if cache is not None:
                 fits = check_cache_room(cache, cache_index, query_shape[1])
                 if fits is not None:
@@ -671,6 +706,7 @@ class MultiHeadAttention(keras.layers.Layer):
         output, scores = self._attend(query_heads, transposed_keys, value_heads, mask, training)
         if fixed_memory:
             output = ops.reshape(output, (query_shape[0], query_shape[1], output.shape[-1]))
+        self._regularize_activity(query_shape[0], output)
         outputs = (output,)
         if return_attention_scores:
             outputs += (_ungroup_scores(scores, query_shape[1]) if fixed_memory else scores,)
@@ -679,7 +715,7 @@ class MultiHeadAttention(keras.layers.Layer):
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _attend(self, query_heads, transposed_keys, value_heads, mask, training):
-        """softmax(Q K^T / sqrt(d_k) + mask) V, per head, softmax in float32.
+        """softmax(Q K^T / sqrt(d_k) + mask) V, per head, softmax in float32 (float64 in a float64 layer).
 
         Queries and values are `[batch, heads, length, head_dim]`, keys transposed
         (`[batch, heads, head_dim, length]`): both products are batched matmuls over
@@ -687,9 +723,9 @@ class MultiHeadAttention(keras.layers.Layer):
         """
         query_heads = query_heads * ops.cast(1.0 / math.sqrt(self._key_dim), query_heads.dtype)
         logits = ops.matmul(query_heads, transposed_keys)
-        # float32 softmax: under float16 the large negative addend and the
-        # exponentials would overflow; bfloat16 would lose the small weights.
-        logits = ops.cast(logits, "float32")
+        # float32 softmax (float64 in a float64 layer): under float16 the large negative
+        # addend and the exponentials would overflow; bfloat16 would lose the small weights.
+        logits = ops.cast(logits, self._softmax_dtype)
         if mask is not None:
             mask = ops.cast(mask, "bool")
             if len(mask.shape) == 3:
@@ -703,6 +739,18 @@ class MultiHeadAttention(keras.layers.Layer):
         weights = self.dropout(ops.cast(scores, value_heads.dtype), training=training)
         context = ops.matmul(weights, value_heads)
         return self._merge_heads(context), scores
+
+    def _regularize_activity(self, batch_size, *activations):
+        """The activity regularizer's penalty of each of `activations`, over the batch's rows, as Keras adds it."""
+        if self._activity_regularizer is None:
+            return
+        for activation in activations:
+            penalty = self._activity_regularizer(activation)
+            self.add_loss(ops.divide_no_nan(penalty, ops.cast(batch_size, penalty.dtype)))
+
+    @property
+    def _softmax_dtype(self):
+        return "float64" if self.compute_dtype == "float64" else "float32"
 
     def _merge_heads(self, context):
         """`context` `[batch, heads, length, value_dim]` times the output kernel, plus the output
@@ -748,7 +796,7 @@ class MultiHeadAttention(keras.layers.Layer):
             else:
                 key_length = (key if key is not None else value).shape[1]
             scores_shape = (query.shape[0], self.num_heads, query.shape[1], key_length)
-            outputs += (keras.KerasTensor(scores_shape, dtype="float32"),)
+            outputs += (keras.KerasTensor(scores_shape, dtype=self._softmax_dtype),)
         if cache is not None:
             outputs += (spec_like(cache),)
         return outputs[0] if len(outputs) == 1 else outputs
@@ -768,6 +816,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
                 "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
                 "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
+                "activity_regularizer": keras.regularizers.serialize(self._activity_regularizer),
                 "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
                 "bias_constraint": keras.constraints.serialize(self.bias_constraint),
                 "seed": self.seed,

@@ -30,6 +30,12 @@ def check_model_dims(d_model, num_heads, d_ff, dropout_rate):
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}.")
 
 
+def build_once(layer, *shapes):
+    """Builds a sub-layer from `shapes` unless its own call built it already (a second build adds its weights again)."""
+    if not layer.built:
+        layer.build(*shapes)
+
+
 def rowwise(layer, x):
     """`layer` applied to `x` `[batch, length, width]` viewed as a `[batch * length, width]` matrix.
 
@@ -139,8 +145,8 @@ class FeedForward(keras.layers.Layer):
                 f"FeedForward expects inputs of width d_model={self.d_model} (its output is added to them), "
                 f"got shape {tuple(inputs_shape)}."
             )
-        self.inner.build(inputs_shape)
-        self.outer.build(tuple(inputs_shape[:-1]) + (self.d_ff,))
+        build_once(self.inner, inputs_shape)
+        build_once(self.outer, tuple(inputs_shape[:-1]) + (self.d_ff,))
         self.built = True
 
     def call(self, inputs):
@@ -291,10 +297,10 @@ class EncoderLayer(_ResidualBlock):
 
     def build(self, inputs_shape, padding_mask_shape=None):
         self._check_inputs(inputs_shape)
-        self.self_attention.build(inputs_shape, inputs_shape)
-        self.feed_forward.build(inputs_shape)
-        self.self_attention_norm.build(inputs_shape)
-        self.feed_forward_norm.build(inputs_shape)
+        build_once(self.self_attention, inputs_shape, inputs_shape)
+        build_once(self.feed_forward, inputs_shape)
+        build_once(self.self_attention_norm, inputs_shape)
+        build_once(self.feed_forward_norm, inputs_shape)
         self.built = True
 
     def call(
@@ -373,11 +379,11 @@ class DecoderLayer(_ResidualBlock):
     def build(self, inputs_shape, encoder_outputs_shape=None, encoder_padding_mask_shape=None):
         self._check_inputs(inputs_shape)
         encoder_outputs_shape = encoder_outputs_shape or inputs_shape
-        self.self_attention.build(inputs_shape, inputs_shape)
-        self.cross_attention.build(inputs_shape, encoder_outputs_shape)
-        self.feed_forward.build(inputs_shape)
+        build_once(self.self_attention, inputs_shape, inputs_shape)
+        build_once(self.cross_attention, inputs_shape, encoder_outputs_shape)
+        build_once(self.feed_forward, inputs_shape)
         for norm in (self.self_attention_norm, self.cross_attention_norm, self.feed_forward_norm):
-            norm.build(inputs_shape)
+            build_once(norm, inputs_shape)
         self.built = True
 
     def init_cache(self, encoder_outputs, max_decode_length):
@@ -395,6 +401,8 @@ class DecoderLayer(_ResidualBlock):
             `"cross"`'s boolean `"mask"` `[batch, source_length]` if the encoder
             outputs had a Keras mask.
         """
+        if not self.built:  # A new layer decodes first: its shapes are known here.
+            self.build((None, None, self.d_model), tuple(encoder_outputs.shape))
         batch_size = ops.shape(encoder_outputs)[0]
         memory = self.cross_attention.project_key_value(encoder_outputs)
         # Decoding steps see the memory only through the cache: its padding must travel with it.

@@ -18,14 +18,14 @@ import keras
 from keras import ops
 
 
-def sinusoidal_encoding(positions, d_model):
-    """The paper's sinusoidal encoding of `positions` (float32 `[length, d_model]`).
+def sinusoidal_encoding(positions, d_model, dtype="float32"):
+    """The paper's sinusoidal encoding of `positions` (`[length, d_model]` of `dtype`).
 
     Even channels carry sines and odd channels cosines of the same frequency,
     interleaved as in the formula.
     """
-    positions = ops.cast(ops.expand_dims(positions, -1), "float32")
-    pair_index = ops.arange(0, d_model, 2, dtype="float32")  # the 2i of the formula
+    positions = ops.cast(ops.expand_dims(positions, -1), dtype)
+    pair_index = ops.arange(0, d_model, 2, dtype=dtype)  # the 2i of the formula
     inverse_frequencies = ops.exp(pair_index * (-math.log(10000.0) / d_model))
     angles = positions * inverse_frequencies  # [length, ceil(d_model / 2)]
     interleaved = ops.stack([ops.sin(angles), ops.cos(angles)], axis=-1)
@@ -114,8 +114,13 @@ class PositionalEncoding(keras.layers.Layer):
         if self.learned:
             encoding = ops.take(self.position_embeddings, positions, axis=0)
         else:
-            encoding = sinusoidal_encoding(positions, self.d_model)
+            # float32 under mixed precision (bfloat16 angles of large positions are coarse); float64 for float64.
+            wide = "float64" if self.compute_dtype == "float64" else "float32"
+            encoding = sinusoidal_encoding(positions, self.d_model, wide)
         return inputs + ops.cast(encoding, inputs.dtype)
+
+    def compute_output_shape(self, inputs_shape):
+        return tuple(inputs_shape)
 
     def get_config(self):
         config = super().get_config()

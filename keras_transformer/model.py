@@ -21,7 +21,14 @@ import keras
 from keras import ops
 
 from keras_transformer.attention import attention_init_argument, spec_like
-from keras_transformer.blocks import DecoderLayer, EncoderLayer, LayerNormalization, check_model_dims, rowwise
+from keras_transformer.blocks import (
+    DecoderLayer,
+    EncoderLayer,
+    LayerNormalization,
+    build_once,
+    check_model_dims,
+    rowwise,
+)
 from keras_transformer.dropout import Dropout
 from keras_transformer.embeddings import PositionalEncoding, SharedEmbedding, max_positions_argument
 from keras_transformer.recipes import get_preset
@@ -89,7 +96,7 @@ class _Stack(keras.layers.Layer):
 
     def _build_final_norm(self, inputs_shape):
         if self.final_norm is not None:
-            self.final_norm.build(inputs_shape)
+            build_once(self.final_norm, inputs_shape)
         self.built = True
 
     def _finish(self, x):
@@ -135,7 +142,7 @@ class Encoder(_Stack):
 
     def build(self, inputs_shape, padding_mask_shape=None):
         for layer in self.blocks:
-            layer.build(inputs_shape)
+            build_once(layer, inputs_shape)
         self._build_final_norm(inputs_shape)
 
     def call(self, inputs, padding_mask=None, training=None):
@@ -167,11 +174,13 @@ class Decoder(_Stack):
 
     def build(self, inputs_shape, encoder_outputs_shape=None, encoder_padding_mask_shape=None):
         for layer in self.blocks:
-            layer.build(inputs_shape, encoder_outputs_shape)
+            build_once(layer, inputs_shape, encoder_outputs_shape)
         self._build_final_norm(inputs_shape)
 
     def init_cache(self, encoder_outputs, max_decode_length):
         """Per-layer caches: empty self-attention buffers of `max_decode_length`, projected encoder memory."""
+        if not self.built:  # A new stack decodes first: its shapes are known here.
+            self.build((None, None, self.d_model), tuple(encoder_outputs.shape))
         return [layer.init_cache(encoder_outputs, max_decode_length) for layer in self.blocks]
 
     def call(
@@ -281,6 +290,9 @@ class Transformer(keras.Model):
 
         policy = self.dtype_policy
         self.embedding = SharedEmbedding(vocab_size, d_model, name="shared_embedding", dtype=policy)
+        if not isinstance(pad_id, int) or not 0 <= pad_id < vocab_size:  # SharedEmbedding checked vocab_size.
+            raise ValueError(f"pad_id must be a token id in [0, {vocab_size}) (padding, hidden from attention), "
+                             f"got {pad_id!r}.")
         self.positional_encoding = PositionalEncoding(
             learned=learned_positions, max_positions=max_positions, name="positional_encoding", dtype=policy
         )
@@ -309,10 +321,10 @@ class Transformer(keras.Model):
     def build(self, inputs_shape=None):
         batch = None
         d_model_shape = (batch, None, self.d_model)
-        self.embedding.build()
-        self.positional_encoding.build(d_model_shape)
-        self.encoder.build(d_model_shape)
-        self.decoder.build(d_model_shape, d_model_shape)
+        build_once(self.embedding)
+        build_once(self.positional_encoding, d_model_shape)
+        build_once(self.encoder, d_model_shape)
+        build_once(self.decoder, d_model_shape, d_model_shape)
         self.built = True
 
     def _embed(self, token_ids, training, start_index=0):
@@ -326,6 +338,8 @@ class Transformer(keras.Model):
         Returns:
             `(encoder_outputs [batch, source_length, d_model], source_padding_mask [batch, source_length])`.
         """
+        if not self.built:  # All of it, not only what encoding calls: decoding steps follow.
+            self.build()
         source_mask = ops.not_equal(source_ids, self.pad_id)
         encoder_outputs = self.encoder(self._embed(source_ids, training), padding_mask=source_mask, training=training)
         return encoder_outputs, source_mask

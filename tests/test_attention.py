@@ -549,3 +549,61 @@ def test_writing_past_the_end_of_a_cache_is_an_error_not_an_overwrite():
     write(step, cache, tf.constant(3))
     with pytest.raises(tf.errors.InvalidArgumentError, match="decoding cache is too short"):
         write(step, cache, tf.constant(4))
+
+
+def test_a_float64_layer_is_keras_float64_layer_to_float64_precision():
+    rng = np.random.default_rng(37)
+    query = rng.normal(size=(2, 5, D_MODEL))
+    value = rng.normal(size=(2, 7, D_MODEL))
+    ours = MultiHeadAttention(HEADS, dtype="float64")
+    theirs = keras.layers.MultiHeadAttention(HEADS, key_dim=D_MODEL // HEADS, dtype="float64")
+    ours(query, value)
+    theirs(query, value)
+    weights = [rng.normal(size=w.shape) * 0.3 for w in ours.get_weights()]
+    ours.set_weights(weights)
+    theirs.set_weights(weights)
+    output, scores = ours(query, value, return_attention_scores=True)
+    expected_output, expected_scores = theirs(query, value, return_attention_scores=True)
+    assert output.dtype == scores.dtype == "float64"
+    np.testing.assert_allclose(output, expected_output, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("self_attention", [True, False])
+def test_an_activity_regularizer_penalizes_the_projections_as_in_keras(self_attention):
+    """The four projections' outputs, each over the batch, whether or not the scores are returned."""
+    kwargs = dict(num_heads=HEADS, key_dim=D_MODEL // HEADS, activity_regularizer=keras.regularizers.L2(0.3))
+    ours, theirs = MultiHeadAttention(**kwargs), keras.layers.MultiHeadAttention(**kwargs)
+    rng = np.random.default_rng(41)
+    query = rng.normal(size=(3, 5, D_MODEL)).astype("float32")
+    value = query if self_attention else rng.normal(size=(3, 7, D_MODEL)).astype("float32")
+    ours(query, value)
+    theirs(query, value)
+    weights = [rng.normal(size=w.shape).astype("float32") * 0.3 for w in ours.get_weights()]
+    ours.set_weights(weights)
+    theirs.set_weights(weights)
+    theirs(query, value)
+    expected = sorted(float(loss) for loss in theirs.losses)
+    assert len(expected) == 4
+    for return_attention_scores in (False, True):
+        ours(query, value, return_attention_scores=return_attention_scores)
+        np.testing.assert_allclose(sorted(float(loss) for loss in ours.losses), expected, rtol=1e-5)
+    restored = MultiHeadAttention.from_config(ours.get_config())
+    assert restored.get_config() == ours.get_config() and restored.get_config()["activity_regularizer"]
+
+
+def test_a_query_whose_rows_a_fixed_memory_cannot_serve_is_a_clear_error():
+    """3 query rows and a memory of 2: regrouping 6 positions in 2 rows would mix rows, not fail."""
+    layer = MultiHeadAttention(HEADS)
+    rng = np.random.default_rng(43)
+    memory = rng.normal(size=(2, 5, D_MODEL)).astype("float32")
+    layer(memory, memory)
+    cache = layer.project_key_value(memory)
+    with pytest.raises(ValueError, match="A query of 3 rows cannot attend to a fixed memory of 2 rows"):
+        layer(rng.normal(size=(3, 2, D_MODEL)).astype("float32"), None, cache=cache)
+
+
+def test_the_cache_methods_of_a_layer_not_yet_built_are_clear_errors():
+    for call in (lambda layer: layer.empty_cache(2, 8), lambda layer: layer.project_key_value(np.zeros((2, 5, 16)))):
+        with pytest.raises(ValueError, match=r"needs a built layer: call it, or build\(query_shape, value_shape\)"):
+            call(MultiHeadAttention(HEADS))

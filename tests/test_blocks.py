@@ -350,6 +350,36 @@ def test_cached_decoding_hides_the_source_padding_that_the_encoder_outputs_keras
     assert not np.allclose(attending_to_padding, explicit, atol=1e-4)  # the source padding matters
 
 
+def test_a_new_decoder_layer_or_stack_decodes_from_init_cache_as_its_full_call():
+    """`init_cache` builds a new layer from the memory's shape; then its steps are its uncached call."""
+    rng = np.random.default_rng(29)
+    memory = rng.normal(size=(2, 6, 8)).astype("float32")
+    target = rng.normal(size=(2, 4, 8)).astype("float32")
+    for decoder in (DecoderLayer(8, 2, 16), Decoder(num_layers=2, d_model=8, num_heads=2, d_ff=16)):
+        cache = decoder.init_cache(memory, max_decode_length=4)
+        steps = []
+        for i in range(4):
+            output, cache = decoder(target[:, i : i + 1], cache=cache, cache_index=i)
+            steps.append(np.asarray(output))
+        np.testing.assert_allclose(np.concatenate(steps, axis=1), decoder(target, memory), atol=1e-5)
+
+
+def test_a_block_whose_sublayer_ran_first_builds_the_rest_and_keeps_that_sublayers_weights():
+    """Calling a sub-layer first (to look at its attention, say) builds it; the block then builds the rest."""
+    rng = np.random.default_rng(31)
+    x = rng.normal(size=SHAPE).astype("float32")
+    layer = EncoderLayer(8, 2, 16)
+    layer.self_attention(x, x)
+    attention_weights = [np.asarray(w) for w in layer.self_attention.weights]
+    output = layer(x)
+    for before, after in zip(attention_weights, layer.self_attention.weights, strict=True):
+        np.testing.assert_array_equal(before, after)
+    twin = EncoderLayer(8, 2, 16)
+    twin(x)
+    twin.set_weights(layer.get_weights())  # The same weights, none twice.
+    np.testing.assert_allclose(output, twin(x), atol=1e-6)
+
+
 # ---------------------------------------------------------------------------
 # Where dropout sits, computed in numpy from the layers' weights
 # ---------------------------------------------------------------------------

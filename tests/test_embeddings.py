@@ -30,6 +30,21 @@ def test_sinusoids_equal_the_formula(d_model):
     np.testing.assert_allclose(encode(layer, 50, d_model), paper_formula(50, d_model), atol=2e-5)
 
 
+def test_float64_sinusoids_equal_the_formula_to_float64_precision():
+    """Far positions too, whose angles a float32 computation rounds."""
+    layer = PositionalEncoding(dtype="float64")
+    encoding = np.asarray(layer(np.zeros((1, 50, 64)), start_index=950))[0]
+    assert encoding.dtype == np.float64
+    np.testing.assert_allclose(encoding, paper_formula(50, 64, start=950), rtol=0, atol=1e-12)
+
+
+def test_the_output_shape_is_the_inputs_shape_as_called():
+    layer = PositionalEncoding()
+    for shape in ((2, 5, 8), (None, None, 8)):
+        assert layer.compute_output_shape(shape) == shape
+    assert tuple(layer(np.zeros((2, 5, 8), "float32")).shape) == layer.compute_output_shape((2, 5, 8))
+
+
 def test_start_index_continues_the_sequence():
     layer = PositionalEncoding()
     np.testing.assert_allclose(encode(layer, 4, 16, start=37), paper_formula(4, 16, start=37), atol=2e-5)

@@ -76,6 +76,23 @@ def test_incremental_decoding_gives_the_logits_of_the_full_decoder(tiny_model):
         np.testing.assert_allclose(logits[:, 0], full[:, i], atol=1e-4)
 
 
+def test_a_new_model_decodes_step_by_step_first_and_then_trains():
+    """`encode` builds the whole model: its cached steps give the full pass's logits, and it still fits."""
+    keras.utils.set_random_seed(2)
+    model = Transformer.from_preset("tiny", vocab_size=VOCAB)
+    source, target = random_ids((2, 6), 6), random_ids((2, 5), 7)
+    encoder_outputs, source_mask = model.encode(source)
+    cache = model.init_cache(encoder_outputs, max_decode_length=5)
+    steps = []
+    for i in range(5):
+        logits, cache = model.decode_step(target[:, i : i + 1], cache, i, source_mask)
+        steps.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), model((source, target)), atol=1e-4)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit((source, target), target, verbose=0)
+    assert not np.allclose(model((source, target)), np.concatenate(steps, axis=1), atol=1e-4)  # it trained
+
+
 def expected_parameter_count(vocab, layers, d_model, d_ff):
     """Counted from the paper's architecture, independently of the code."""
     attention = 4 * (d_model * d_model + d_model)  # W_Q, W_K, W_V, W_O with biases
@@ -209,6 +226,9 @@ def test_bad_inputs_get_clear_errors(tiny_model):
         tiny_model((np.zeros((2, 3), "int32"),) * 3)
     with pytest.raises(ValueError, match="d_model=16"):
         EncoderLayer(16, 4, 32)(np.zeros((1, 3, 8), "float32"))
+    for pad_id in (None, -1, 10, 0.0):
+        with pytest.raises(ValueError, match=rf"pad_id must be a token id in \[0, 10\).*got {pad_id}"):
+            Transformer(vocab_size=10, num_layers=1, d_model=8, num_heads=2, d_ff=16, pad_id=pad_id)
 
 
 def test_a_decoder_stack_with_a_cache_returns_the_same_structure_symbolically_as_eagerly():
