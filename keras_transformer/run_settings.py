@@ -300,7 +300,7 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
     if average_only and saved_config is None:
         raise SettingsError(f"--average-only needs an existing run directory; {run} has no config.json.")
     if "train_steps" in requested and settings.epochs is None:
-        _check_not_shorter_than_trained(run, settings.train_steps)
+        check_not_shorter_than_trained(run, settings.train_steps)
     _check_vocabulary(run, settings.vocab_size)
     return settings, run, saved_config
 
@@ -320,15 +320,20 @@ def _check_pinned(requested, saved, explicit, run, config_file):
             )
 
 
-def _check_not_shorter_than_trained(run, train_steps):
-    """Refuses a length below the steps trained, which config.json would keep though the run is longer."""
+def check_not_shorter_than_trained(run, train_steps, epochs=None):
+    """Refuses a length below the steps trained, which config.json would keep though the run is longer.
+
+    `epochs`: the --epochs that came to `train_steps` (counted once the data is read), if any.
+    """
     latest = run_dir.latest_checkpoint(run / run_dir.CHECKPOINT_DIR)
     trained = run_dir.checkpoint_step(latest) if latest else 0
-    if train_steps < trained:
-        raise SettingsError(
-            f"{run} has trained {trained} steps, more than --train-steps {train_steps}: give {trained} or more, "
-            "or leave --train-steps out to evaluate it as it stands."
-        )
+    if train_steps >= trained:
+        return
+    if epochs is not None:
+        asked, advice = f"--epochs {epochs:g} ({train_steps:,} steps)", "give more epochs, or leave --epochs out"
+    else:
+        asked, advice = f"--train-steps {train_steps}", f"give {trained} or more, or leave --train-steps out"
+    raise SettingsError(f"{run} has trained {trained} steps, more than {asked}: {advice} to evaluate it as it stands.")
 
 
 def _check_lengths(settings):
@@ -401,10 +406,15 @@ def write_run_config(run, settings, model=None):
     run_dir.write_config(run, config)
 
 
-def record_average_last(run, average_last):
-    """Saves `train.average_last` in config.json, as any command saves its new values."""
+def record_averaging(run, settings):
+    """Saves `average_last` and the `keep_checkpoints` it needs in config.json, as any command saves its new values.
+
+    Both: an --average-last above the saved --keep-checkpoints would make every later
+    command on the run an error.
+    """
     config = run_dir.read_config(run)
-    config.setdefault("train", {})["average_last"] = average_last
+    train = config.setdefault("train", {})
+    train.update(average_last=settings.average_last, keep_checkpoints=settings.keep_checkpoints)
     run_dir.write_config(run, config)
 
 

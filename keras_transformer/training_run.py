@@ -30,7 +30,13 @@ import tensorflow as tf
 
 from keras_transformer import corpora, data, distribution, evaluation, precision, run_dir
 from keras_transformer.model import Transformer
-from keras_transformer.run_settings import SettingsError, check_replicas, record_average_last, write_run_config
+from keras_transformer.run_settings import (
+    SettingsError,
+    check_not_shorter_than_trained,
+    check_replicas,
+    record_averaging,
+    write_run_config,
+)
 from keras_transformer.tokenizer import SubwordTokenizer, train_tokenizer
 from keras_transformer.progress import format_duration
 from keras_transformer.trainer import EmptyDatasetError, Trainer
@@ -81,6 +87,7 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
     settings = choose_precision(settings, strategy)
     if settings.epochs is not None:
         settings = settings.replace(train_steps=steps_for_epochs(run, corpus, tokenizer, settings, replicas))
+        check_not_shorter_than_trained(run, settings.train_steps, settings.epochs)
         settings = settings.replace(replicas=check_replicas(run, settings, replicas))
 
     def model_fn(dtype):
@@ -289,7 +296,7 @@ def average_only(run, settings):
     if (run / run_dir.CONFIG_FILE).is_file():
         # Saved as any command saves its new values: a run last given --average-last 0 (the
         # `small` preset's default) would otherwise keep translating with its latest checkpoint.
-        record_average_last(run, settings.average_last)
+        record_averaging(run, settings)
     logger.info("translate.py and export now use the average (--checkpoint latest: the last checkpoint).")
 
 

@@ -76,6 +76,24 @@ def test_a_run_averaged_on_request_translates_with_the_average(tmp_path):
     assert run_dir.read_config(tmp_path)["model"] == config["model"]
 
 
+def test_averaging_more_checkpoints_than_a_run_kept_saves_both_flags(tmp_path):
+    """`--average-only --average-last 4 --keep-checkpoints 4` on a run that kept 3: later commands still resolve."""
+    for step in (100, 200, 300, 400):  # tiny's checkpoints: every 100 steps; it keeps 3
+        run_with_checkpoint(tmp_path, step=step)
+    config = run_dir.read_config(tmp_path)
+    config["data"] = {"corpus": "files", "source_lang": "en", "target_lang": "de", "vocab_size": 50}
+    config["train"] = {"preset": "tiny"}
+    run_dir.write_config(tmp_path, config)
+    assert train_cli.main(
+        ["--run-dir", str(tmp_path), "--average-only", "--average-last", "4", "--keep-checkpoints", "4"]) == 0
+    assert {key: run_dir.read_config(tmp_path)["train"][key] for key in ("average_last", "keep_checkpoints")} == {
+        "average_last": 4, "keep_checkpoints": 4}
+    data = tmp_path / "data"
+    files_corpus(data, {"train.en": b"A dog.\n", "train.de": b"Ein Hund.\n"})
+    settings, _, _ = run_settings.resolve({}, run=tmp_path, data_dir=data)  # `train.py --run-dir RUN --data-dir D`
+    assert (settings.average_last, settings.keep_checkpoints) == (4, 4)
+
+
 def test_translate_reports_each_batch_and_translates_as_without_a_callback(multi30k_tokenizer):
     from keras_transformer import evaluation
 
@@ -167,6 +185,15 @@ def test_fewer_steps_than_the_run_trained_are_refused_before_anything_is_written
     before = _snapshot(existing_run)
     exit_code = train_cli.main(["--run-dir", str(existing_run), "--train-steps", "50"])
     _assert_one_line_error(exit_code, capsys.readouterr().err, "has trained 100 steps, more than --train-steps 50")
+    assert _snapshot(existing_run) == before
+
+
+def test_fewer_epochs_than_the_run_trained_are_refused_before_anything_is_written(existing_run, multi30k_dir,
+                                                                                  capsys):
+    """--epochs counts its steps once the data is read: a length under the 100 trained is refused as --train-steps."""
+    before = _snapshot(existing_run)
+    exit_code = train_cli.main(["--run-dir", str(existing_run), "--epochs", "0.01", "--data-dir", str(multi30k_dir)])
+    _assert_one_line_error(exit_code, capsys.readouterr().err, "has trained 100 steps, more than --epochs 0.01 (")
     assert _snapshot(existing_run) == before
 
 
