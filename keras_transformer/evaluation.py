@@ -31,14 +31,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import sacrebleu
 import tensorflow as tf
 
-from keras_transformer import attention_plot, data
+from keras_transformer import attention_plot, data, run_dir
 from keras_transformer.decoding import DecodingSettings, beam_search
 from keras_transformer.losses import label_smoothed_cross_entropy, token_accuracy
 from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -233,10 +232,8 @@ def translate(
 
 
 def write_lines(path, lines: Sequence[str]) -> None:
-    """Writes one line per string (UTF-8), creating parent directories."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(line.replace("\n", " ") + "\n" for line in lines), encoding="utf-8")
+    """Writes one line per string (UTF-8), creating parent directories; all of them or none (a full disk)."""
+    run_dir.write_text_atomically(path, "".join(line.replace("\n", " ") + "\n" for line in lines))
 
 
 def cross_attention(model, source_ids, decoder_input_ids):

@@ -21,6 +21,7 @@ the export use): the averaged checkpoint while it is current (see `checkpoint_pa
 the checkpoint of the best validation BLEU when the run has one, else the latest.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -74,18 +75,31 @@ def model_config(model):
 
 
 def write_config(run_dir, config):
-    """Writes `RUN/config.json` atomically: an interruption leaves the old file or the new one, never half of one."""
-    path = Path(run_dir) / CONFIG_FILE
+    """Writes `RUN/config.json` atomically (`write_text_atomically`)."""
+    write_text_atomically(Path(run_dir) / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_text_atomically(path, text):
+    """Writes `text` to `path` (UTF-8), creating its directory: an interruption or a full disk leaves the old
+    file or the new one, never half of one.
+
+    Raises:
+        OSError: If it cannot be written, naming `path` and the system's reason.
+    """
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Not mkstemp, whose files only their owner can read: made like the run's other
     # files, so that others who can read the checkpoints can load the run.
-    temporary = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.{uuid.uuid4().hex}")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}")
     try:
-        with open(temporary, "x") as text:
-            text.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        with open(temporary, "x", encoding="utf-8") as file:
+            file.write(text)
         os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+    except BaseException as error:
+        with contextlib.suppress(OSError):  # A read-only file system made none; its error is the one to see.
+            temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):  # A failed write names no file.
+            raise OSError(f"Cannot write {path} ({error.strerror or error}).") from None
         raise
 
 

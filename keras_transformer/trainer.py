@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import shutil
 import tempfile
 import time
@@ -284,9 +285,24 @@ class Trainer:
         return int(self.step.numpy())
 
     def save(self):
-        """Writes a checkpoint numbered by the current step; returns its path."""
-        self._saved_step = int(self.step.numpy())
-        return self.manager.save(checkpoint_number=self._saved_step)
+        """Writes a checkpoint numbered by the current step; returns its path.
+
+        Raises:
+            OSError: If it cannot be written (a full disk): one line, saying where the run resumes.
+        """
+        step = int(self.step.numpy())
+        prefix = self._save_dir / f"{CHECKPOINT_NAME}-{step}"
+        try:
+            path = self.manager.save(checkpoint_number=step)
+        except tf.errors.OpError as error:
+            shutil.rmtree(f"{prefix}_temp", ignore_errors=True)  # What TensorFlow had written of it.
+            found = checkpoints(self._save_dir)
+            resume = f"the same command resumes from {found[-1]}" if found else "the same command starts it again"
+            # "{{function_node ...}} PATH; File too large [Op:SaveV2]": what the system said.
+            reason = re.sub(r"\s*\[Op:\w+\]$", "", error.message.strip().splitlines()[0].rsplit("; ", 1)[-1])
+            raise OSError(f"Cannot write checkpoint {prefix} ({reason}); {resume}.") from None
+        self._saved_step = step
+        return path
 
     def fit(self, dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]) -> TrainingResult:
         """Trains from the latest checkpoint up to `config.train_steps` (or the time budget, or `patience`).

@@ -2,6 +2,8 @@
 
 import io
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -426,6 +428,26 @@ def test_config_json_is_as_readable_as_the_runs_other_files(run):
     other = run / "other"
     other.write_text("")
     assert (run / run_dir.CONFIG_FILE).stat().st_mode == other.stat().st_mode
+
+
+def test_a_run_file_that_cannot_be_written_whole_keeps_the_old_one(tmp_path):
+    """Written on a full disk (a file size limit here), RUN/translations keeps its old lines, not half the new."""
+    path = tmp_path / "translations" / "test.de"
+    path.parent.mkdir()
+    path.write_text("old\n")
+    script = (
+        "import resource, signal, sys\n"
+        "from keras_transformer import evaluation\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))\n"
+        "try:\n"
+        "    evaluation.write_lines(sys.argv[1], ['Ein Hund rennt.'] * 5_000)\n"
+        "except OSError as error:\n"
+        "    print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == f"Cannot write {path} (File too large).", result.stderr[-2000:]
+    assert path.read_text() == "old\n" and [p.name for p in path.parent.iterdir()] == ["test.de"]
 
 
 def test_translate_refuses_to_write_its_output_over_its_input(tmp_path, capsys, monkeypatch):

@@ -8,6 +8,9 @@ run `python train.py` in a subprocess, and the library functions a run is made o
 import dataclasses
 import hashlib
 import re
+import resource
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -195,6 +198,33 @@ def test_fewer_epochs_than_the_run_trained_are_refused_before_anything_is_writte
     exit_code = train_cli.main(["--run-dir", str(existing_run), "--epochs", "0.01", "--data-dir", str(multi30k_dir)])
     _assert_one_line_error(exit_code, capsys.readouterr().err, "has trained 100 steps, more than --epochs 0.01 (")
     assert _snapshot(existing_run) == before
+
+
+def _file_size_limit(limit_bytes):
+    """A child process's `preexec_fn`: writes past `limit_bytes` fail (EFBIG) as on a full disk."""
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # Else the write kills the process instead of failing.
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    return limit
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_no_part_of_it(tmp_path, multi30k_dir):
+    """As on a full disk: the checkpoint's data file fails; the run's small files were written."""
+    corpus = multi30k_files(tmp_path / "data", multi30k_dir, {"train": 300, "test": 4})
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "train.py", "--run-dir", str(run), "--preset", "tiny", *corpus, "--vocab-size", "400",
+         "--train-steps", "2", "--bleu-sentences", "0", "--beam-size", "1"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=240,
+        preexec_fn=_file_size_limit(100_000),
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: Cannot write checkpoint {run / 'checkpoints' / 'ckpt-2'} (File too large); "
+        "the same command starts it again.")
+    assert list((run / "checkpoints").iterdir()) == []
 
 
 def test_a_vocabulary_that_does_not_match_the_config_is_refused(existing_run, capsys):

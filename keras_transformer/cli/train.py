@@ -217,7 +217,8 @@ def run(args):
 
 
 def main(argv=None):
-    """Runs the command line `argv`; returns the exit code (2 for bad flags or data, 1 for a lost worker)."""
+    """Runs the command line `argv`; returns the exit code (2 for bad flags or data, 1 for a lost worker or a
+    file that cannot be written)."""
     cpu_kernels.configure()  # Before TensorFlow loads.
     args = build_parser().parse_args(argv)
     from keras_transformer import distribution
@@ -239,6 +240,9 @@ def main(argv=None):
         print(f"{PROG}: error: {lost}", file=sys.stderr)
         return 1
     except distribution.WorkerLostError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # A full disk, a read-only run directory: what the system said is what to fix.
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
