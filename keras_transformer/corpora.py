@@ -26,7 +26,9 @@ vocabulary size and length cap it is trained with, a line of help), from which
 
 Text files are read as bytes and decoded line by line, so one bad line costs one pair,
 never the alignment: a pair whose source or target line is empty or not valid UTF-8 is
-skipped, and the number skipped is reported in one warning per file pair. Files with
+skipped, and the number skipped is logged in one warning per file pair. A test split
+keeps every line (malformed bytes as U+FFFD), so that a run's translations of it stay
+line-aligned with its files; an empty source translates to an empty line. Files with
 different line counts raise `CorpusError`. A corpus that cannot be found or downloaded
 raises `DatasetUnavailableError`, whose message says where to get it and how to pass a
 local copy; a Python package that TFDS needs and lacks raises `MissingPackageError` (an
@@ -41,7 +43,6 @@ import gzip
 import logging
 import os
 import shutil
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -139,7 +140,7 @@ def load_multi30k(
     directory = find_multi30k_dir(data_dir, cache_dir=cache_dir)
     splits = {
         split: read_parallel_files(
-            directory / f"{stem}.{source_lang}", directory / f"{stem}.{target_lang}"
+            directory / f"{stem}.{source_lang}", directory / f"{stem}.{target_lang}", keep_every_line=split == "test"
         )
         for split, stem in MULTI30K_SPLITS.items()
     }
@@ -258,23 +259,28 @@ def load_text_corpus(
         CorpusError: When two files of a split have different line counts.
     """
 
-    def read(paths):
-        return read_parallel_files(*paths) if paths else []
+    def read(paths, **options):
+        return read_parallel_files(*paths, **options) if paths else []
 
-    return ParallelCorpus(name, source_lang, target_lang, read(train), read(validation), read(test))
+    # Every test line: the run's translations of it must stay line-aligned with its files.
+    test_pairs = read(test, keep_every_line=True)
+    return ParallelCorpus(name, source_lang, target_lang, read(train), read(validation), test_pairs)
 
 
 def read_parallel_files(
-    source_path: str | os.PathLike, target_path: str | os.PathLike
+    source_path: str | os.PathLike, target_path: str | os.PathLike, *, keep_every_line: bool = False
 ) -> list[Pair]:
     """Reads line-aligned source and target files into `(source, target)` pairs.
 
     Lines are stripped of surrounding whitespace. A pair is skipped when either line is
-    empty or not valid UTF-8; one warning per call reports how many were skipped.
+    empty or not valid UTF-8; one warning per call reports how many were skipped, and
+    the first of their line numbers.
 
     Args:
         source_path: File with one source sentence per line (any `tf.io.gfile` path).
         target_path: File with the aligned target sentences.
+        keep_every_line: Keep those pairs too, malformed bytes read as U+FFFD (a test
+            set, whose translations are scored line by line against its files).
 
     Returns:
         The kept pairs, in file order.
@@ -289,23 +295,29 @@ def read_parallel_files(
             f"Parallel files are not line-aligned: {source_path} has {len(source_lines)} "
             f"lines but {target_path} has {len(target_lines)}."
         )
+    if keep_every_line:
+        return [
+            (source_line.decode("utf-8", "replace").strip(), target_line.decode("utf-8", "replace").strip())
+            for source_line, target_line in zip(source_lines, target_lines)
+        ]
     pairs = []
-    empty = invalid = 0
-    for source_line, target_line in zip(source_lines, target_lines):
+    empty, invalid = [], []  # Line numbers, from 1.
+    for number, (source_line, target_line) in enumerate(zip(source_lines, target_lines), start=1):
         try:
             pair = (source_line.decode("utf-8").strip(), target_line.decode("utf-8").strip())
         except UnicodeDecodeError:
-            invalid += 1
+            invalid.append(number)
             continue
         if not (pair[0] and pair[1]):
-            empty += 1
+            empty.append(number)
             continue
         pairs.append(pair)
     if empty or invalid:
-        warnings.warn(
-            f"Skipped {empty + invalid} of {len(source_lines)} pairs of {source_path} / "
-            f"{target_path}: {empty} with an empty side, {invalid} not valid UTF-8.",
-            stacklevel=2,
+        # A log line, not a warning: Python prints those on two lines, the second the warning's code.
+        logger.warning(
+            "Skipped %d of %d pairs of %s / %s: %d with an empty side, %d not valid UTF-8 (first: line %d).",
+            len(empty) + len(invalid), len(source_lines), source_path, target_path, len(empty), len(invalid),
+            min(empty + invalid),
         )
     return pairs
 

@@ -212,19 +212,21 @@ def translate(
             progress output: sentences translated so far, and `len(sources)`.
 
     Returns:
-        The translations, detokenized text.
+        The translations, detokenized text; "" for an empty or blank source.
     """
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    # Empty sources translate to "", as the exported translator's do: the model is not asked to make one up.
+    order = sorted((i for i in range(len(sources)) if sources[i].strip()), key=lambda i: len(sources[i]))
     by_length = [sources[i] for i in order]
+    empty = len(sources) - len(order)
     outputs = []
     batches = data.make_translation_dataset(
         by_length, tokenizer, batch_size=batch_size, max_source_length=max_source_length
-    )
+    ) if by_length else []
     for source_ids in batches:
         hypotheses = beam_search(model, source_ids, decoding)
         outputs.extend(text.decode("utf-8") for text in tokenizer.detokenize(hypotheses.tokens).numpy())
         if on_batch is not None:
-            on_batch(len(outputs), len(sources))
+            on_batch(empty + len(outputs), len(sources))
     translations = [""] * len(sources)
     for position, index in enumerate(order):
         translations[index] = outputs[position]

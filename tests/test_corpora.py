@@ -6,7 +6,6 @@ import http.server
 import socket
 import threading
 import time
-import warnings
 
 import pytest
 import tensorflow as tf
@@ -187,20 +186,31 @@ def test_misaligned_files_name_both_files_and_counts(tmp_path):
     assert "3 lines" in message and "has 2" in message
 
 
-def test_empty_and_invalid_lines_skip_their_pair_with_one_warning(tmp_path):
+def test_empty_and_invalid_lines_skip_their_pair_with_one_warning_line(tmp_path, caplog):
     source = tmp_path / "s.txt"
     target = tmp_path / "t.txt"
     source.write_bytes(b"one\n\nthree\nf\xffour\nfive\n   \nseven")
     target.write_bytes(b"eins\nzwei\ndr\xc3ei\nvier\n\nsechs\r\nsieben\r\n")
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level("WARNING", logger="keras_transformer.corpora"):
         pairs = read_parallel_files(source, target)
 
     assert pairs == [("one", "eins"), ("seven", "sieben")]
-    assert len(caught) == 1
-    assert "Skipped 5 of 7 pairs" in str(caught[0].message)
-    assert "3 with an empty side, 2 not valid UTF-8" in str(caught[0].message)
+    assert [record.getMessage() for record in caplog.records] == [
+        f"Skipped 5 of 7 pairs of {source} / {target}: 3 with an empty side, 2 not valid UTF-8 (first: line 2)."]
+
+
+def test_a_test_split_keeps_every_line_so_that_translations_stay_aligned(tmp_path, caplog):
+    """An empty or malformed line of test.en / test.de keeps its pair; train drops such pairs."""
+    lines = {"en": b"A dog.\n\nA caf\xe9.\nTwo cats.\n", "de": b"Ein Hund.\nLeer.\nEin Caf\xc3\xa9.\n\n"}
+    for stem in ("train", "test"):
+        for lang, text in lines.items():
+            (tmp_path / f"{stem}.{lang}").write_bytes(text)
+    with caplog.at_level("WARNING", logger="keras_transformer.corpora"):
+        corpus = load_corpus("files", tmp_path, source_lang="en", target_lang="de")
+    assert corpus.test == [("A dog.", "Ein Hund."), ("", "Leer."), ("A caf\ufffd.", "Ein Café."), ("Two cats.", "")]
+    assert corpus.train == [("A dog.", "Ein Hund.")]
+    assert len(caplog.records) == 1 and "train.en" in caplog.records[0].getMessage()
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path):
@@ -210,15 +220,14 @@ def test_a_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path):
     assert read_parallel_files(source, target) == [("Hello world.", "Hallo Welt."), ("Bye.", "Tschüss.")]
 
 
-def test_clean_files_load_without_warning(tmp_path):
+def test_clean_files_load_without_warning(tmp_path, caplog):
     paths = {}
     for split, lines in (("train", ("a b", "c d")), ("dev", ("e f",))):
         for side, text in (("src", "\n".join(lines)), ("tgt", "\n".join(lines).upper())):
             paths[split, side] = tmp_path / f"{split}.{side}"
             paths[split, side].write_text(text, encoding="utf-8")
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with caplog.at_level("WARNING", logger="keras_transformer.corpora"):
         corpus = load_text_corpus(
             (paths["train", "src"], paths["train", "tgt"]),
             validation=(paths["dev", "src"], paths["dev", "tgt"]),
@@ -230,6 +239,7 @@ def test_clean_files_load_without_warning(tmp_path):
     assert corpus.validation == [("e f", "E F")]
     assert corpus.test == []
     assert (corpus.source_lang, corpus.target_lang) == ("xx", "yy")
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("name", ["wmt14", "ted_pt_en"])

@@ -111,6 +111,16 @@ def test_translate_reports_each_batch_and_translates_as_without_a_callback(multi
     assert reports == [(2, 5), (4, 5), (5, 5)]  # batches of 2 over 5 sentences
     assert translations == evaluation.translate(model, multi30k_tokenizer, sources, **options)
 
+    # Empty and blank sources translate to "" in their places (a test file's lines stay aligned).
+    reports.clear()
+    with_blanks = ["", *sources[:2], "  ", *sources[2:]]
+    expected = ["", *translations[:2], "", *translations[2:]]
+    assert evaluation.translate(
+        model, multi30k_tokenizer, with_blanks, on_batch=lambda done, total: reports.append((done, total)), **options
+    ) == expected
+    assert reports == [(4, 7), (6, 7), (7, 7)]
+    assert evaluation.translate(model, multi30k_tokenizer, ["", " "], **options) == ["", ""]
+
 
 def test_translation_progress_logs_at_most_every_so_many_seconds(monkeypatch, caplog):
     clock = iter([100.0, 110.0, 131.0, 140.0, 170.0, 250.0])  # creation, then one reading per batch
