@@ -21,7 +21,7 @@ A `--config` file is JSON or YAML (by its extension, .json, .yaml or .yml, else 
 text) with config.json's keys and layout, any of them left out. A value must be one its
 flag takes; `null` stands for a flag left out where that means something (epochs,
 max_minutes: no time budget, source_lang and target_lang: the corpus's). What a run
-records rather than chooses is checked, never used: `train.replicas` and the `model`
+records rather than chooses is checked, never used: `train.replicas`, `train.workers` and the `model`
 keys other than dropout_rate and attention_init, which the preset and the vocabulary
 size determine. An unknown key or a wrong value is one `SettingsError` naming the file
 and the key.
@@ -111,7 +111,7 @@ _NUMBER_CHECKS = (positive_float, non_negative_float, probability, fraction)
 def _setting(check, *, section="train", key=None, pinned=False, nullable=False, recorded=False):
     """A `RunSettings` field: `check` is a check above, a tuple of choices, `bool` or `str`.
 
-    A `recorded` setting has no flag: the run records it (how many replicas it trains on),
+    A `recorded` setting has no flag: the run records it (how many replicas and workers it trains on),
     and a --config file's value is checked, not used.
     """
     metadata = dict(check=check, section=section, key=key, pinned=pinned, nullable=nullable, recorded=recorded)
@@ -153,6 +153,8 @@ class RunSettings:
     alpha: float = _setting(non_negative_float)
     # The number of replicas the run trains on (see `check_replicas`).
     replicas: int = _setting(positive_int, nullable=True, recorded=True)
+    # The number of workers (input pipelines, each reading its shard of the pairs) it trains on (see `check_workers`).
+    workers: int = _setting(positive_int, nullable=True, recorded=True)
     # No flag: why the run computes in its `mixed_precision` (see `keras_transformer.precision`);
     # kept with the precision it explains, dropped when a flag asks for another.
     precision_reason: str = _setting(str, nullable=True)
@@ -224,7 +226,7 @@ def defaults(preset, dataset):
         vocab_size=corpus.vocab_size, max_length=corpus.max_length, long_sentences="filter",
         seed=0, dropout=recipe.model["dropout_rate"], attention_init=recipe.model.get("attention_init", "independent"),
         cooldown=0.0, label_smoothing=0.1, mixed_precision=precision.AUTO,
-        jit_compile=False, epochs=None, patience=0, replicas=None, precision_reason=None,
+        jit_compile=False, epochs=None, patience=0, replicas=None, workers=None, precision_reason=None,
         beam_size=recipe.decoding.beam_size, alpha=recipe.decoding.alpha,
     )
     return {**general, **recipe.training}
@@ -468,8 +470,8 @@ def config_file_settings(path):
 
     Returns:
         `({setting: value}, {model key: value})`: the settings, and the `model` keys that
-        the preset determines (see `_check_model_keys`). `train.replicas` is checked and
-        left out: it records what a run trained on.
+        the preset determines (see `_check_model_keys`). `train.replicas` and `train.workers`
+        are checked and left out: they record what a run trained on.
 
     Raises:
         SettingsError: Naming the file and the key, for an unknown key or a wrong value.
@@ -635,15 +637,46 @@ def check_replicas(run, settings, replicas):
         SettingsError: When training would continue on another number of replicas.
     """
     saved = settings.replicas
-    step = run_dir.checkpoint_step(run_dir.latest_checkpoint(run / run_dir.CHECKPOINT_DIR))
-    if step <= 0:
-        return replicas
-    if step >= settings.train_steps:
+    step = _resumed_step(run, settings)
+    if step is None:
         return saved
-    if saved not in (None, replicas):
+    if step and saved not in (None, replicas):
         raise SettingsError(
             f"{run} trained on {saved} replica(s) up to step {step}, and this command runs {replicas}: a run "
             f"resumes only on as many replicas, as the global batch and the data order depend on it. Resume it "
             f"on {saved} replica(s) (see --devices), or use another --run-dir."
         )
     return replicas
+
+
+def check_workers(run, settings, workers):
+    """The number of workers to record in config.json, after checking that the run may use `workers`.
+
+    Each worker reads its own shard of the pairs (`keras_transformer.data`), so the data
+    order depends on the number of workers even where the replicas are as many (2 workers
+    of 1 replica, or 1 process of 2). As for replicas (`check_replicas`), a run resumes
+    only on as many, and evaluating a finished run works on any number.
+
+    Raises:
+        SettingsError: When training would continue on another number of workers.
+    """
+    saved = settings.workers
+    step = _resumed_step(run, settings)
+    if step is None:
+        return saved
+    # A run of an earlier version recorded no workers, and may have trained on several: not checked.
+    if step and saved not in (None, workers):
+        raise SettingsError(
+            f"{run} trained on {saved} worker(s) up to step {step}, and this command runs {workers}: a run "
+            f"resumes only on as many workers, as each reads its own shard of the data and the data order "
+            f"depends on it. Resume it on {saved} worker(s) (see TF_CONFIG), or use another --run-dir."
+        )
+    return workers
+
+
+def _resumed_step(run, settings):
+    """The step at which training resumes: 0 for a new run, None for a finished one."""
+    step = run_dir.checkpoint_step(run_dir.latest_checkpoint(run / run_dir.CHECKPOINT_DIR))
+    if step <= 0:
+        return 0
+    return None if step >= settings.train_steps else step

@@ -28,9 +28,10 @@ the batches an uninterrupted run would have seen, and only the steps after the l
 checkpoint are redone. Skipping re-runs only the cheap part of the pipeline (shuffling,
 bucketing, padding of cached token ids), not the model: little next to the steps it
 skips (see docs/performance.md). This holds as long as the seed, the data flags and the
-number of replicas are unchanged; we chose it over checkpointing the tf.data iterator,
-whose state includes the whole shuffle buffer (large on a big corpus, and in every
-checkpoint) and which not every pipeline op supports.
+numbers of replicas and of workers (each reads its shard of the pairs) are unchanged; we
+chose it over checkpointing the tf.data iterator, whose state includes the whole shuffle
+buffer (large on a big corpus, and in every checkpoint) and which not every pipeline op
+supports.
 
 Validation-driven training (`keras_transformer.best_checkpoint`): a run that validates
 every `eval_every` steps keeps the checkpoint of its best validation BLEU in `RUN/best`

@@ -34,6 +34,7 @@ from keras_transformer.run_settings import (
     SettingsError,
     check_not_shorter_than_trained,
     check_replicas,
+    check_workers,
     record_averaging,
     write_run_config,
 )
@@ -68,9 +69,10 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
     # A multi-worker strategy starts TensorFlow's coordination service, whose own SIGTERM
     # handler replaces ours: without this, `kill` neither checkpoints nor stops a worker.
     stop_on_sigterm()
-    replicas = strategy.num_replicas_in_sync
-    if settings.epochs is None:  # Else the length of the run, which the check needs, is not known yet.
+    replicas, workers = strategy.num_replicas_in_sync, distribution.num_workers(strategy)
+    if settings.epochs is None:  # Else the length of the run, which the checks need, is not known yet.
         settings = settings.replace(replicas=check_replicas(run, settings, replicas))
+        settings = settings.replace(workers=check_workers(run, settings, workers))
     tf.get_logger().setLevel("ERROR")
     # Seeding drops TensorFlow's kernel cache, which holds tokenizer resources: seed first.
     keras.utils.set_random_seed(settings.seed)
@@ -89,6 +91,7 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
         settings = settings.replace(train_steps=steps_for_epochs(run, corpus, tokenizer, settings, replicas))
         check_not_shorter_than_trained(run, settings.train_steps, settings.epochs)
         settings = settings.replace(replicas=check_replicas(run, settings, replicas))
+        settings = settings.replace(workers=check_workers(run, settings, workers))
 
     def model_fn(dtype):
         if saved_config is not None and "model" in saved_config:  # Not yet when the start was interrupted.

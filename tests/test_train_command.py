@@ -565,6 +565,31 @@ def test_a_run_resumes_only_on_as_many_replicas(tmp_path, saved, step, train_ste
             run_settings.check_replicas(tmp_path, settings, replicas)
 
 
+@pytest.mark.parametrize(
+    "saved, step, train_steps, workers, expected",
+    [
+        (None, None, 200, 2, 2),  # A new run records its workers.
+        (2, 100, 200, 2, 2),  # Resumed on as many.
+        (None, 100, 200, 1, 1),  # A run of an earlier version (maybe of several workers): from now on, on 1.
+        (2, 200, 200, 1, 2),  # Evaluating a finished run works on any number, and keeps the record.
+        (2, 100, 200, 1, "trained on 2 worker(s) up to step 100, and this command runs 1"),
+        (1, 100, 200, 2, "trained on 1 worker(s) up to step 100, and this command runs 2"),
+    ],
+    ids=["new", "same", "unrecorded", "finished", "fewer", "more"],
+)
+def test_a_run_resumes_only_on_as_many_workers(tmp_path, saved, step, train_steps, workers, expected):
+    """Each worker reads its shard of the pairs: 2 workers of 1 replica each are not 1 process of 2 replicas."""
+    if step is not None:
+        run_with_checkpoint(tmp_path, step=step)
+    settings = run_settings.layered({"preset": "tiny", "replicas": 2, "workers": saved, "train_steps": train_steps})
+    if isinstance(expected, int):
+        assert run_settings.check_workers(tmp_path, settings, workers) == expected
+        assert run_settings.check_replicas(tmp_path, settings, 2) == 2  # Only the workers differ.
+    else:
+        with pytest.raises(run_settings.SettingsError, match=re.escape(expected) + r".*\(see TF_CONFIG\)"):
+            run_settings.check_workers(tmp_path, settings, workers)
+
+
 @pytest.mark.slow
 def test_resuming_on_another_number_of_replicas_is_one_line_in_a_real_process(existing_run):
     """The run trained 100 of its 200 steps on 2 replicas; this command has 1 (the CPU)."""
@@ -577,6 +602,21 @@ def test_resuming_on_another_number_of_replicas_is_one_line_in_a_real_process(ex
     before = _snapshot(existing_run)
     result = run_command([sys.executable, "train.py", "--run-dir", str(existing_run)])
     _assert_one_line_error(result.returncode, result.stderr, "trained on 2 replica(s) up to step 100")
+    assert _snapshot(existing_run) == before
+
+
+@pytest.mark.slow
+def test_a_run_of_two_workers_resumed_on_two_replicas_is_one_line_in_a_real_process(existing_run):
+    """The run trained 100 of its 200 steps on 2 workers of 1 replica; this command has 2 replicas, 1 worker."""
+    config = run_dir.read_config(existing_run)
+    config["train"].update(replicas=2, workers=2)
+    run_dir.write_config(existing_run, config)
+    tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=run_dir.build_model(existing_run)), str(existing_run / run_dir.CHECKPOINT_DIR), 3
+    ).save(checkpoint_number=100)
+    before = _snapshot(existing_run)
+    result = run_command([sys.executable, "train.py", "--run-dir", str(existing_run), "--devices", "CPU:0,CPU:1"])
+    _assert_one_line_error(result.returncode, result.stderr, "trained on 2 worker(s) up to step 100", "TF_CONFIG")
     assert _snapshot(existing_run) == before
 
 
