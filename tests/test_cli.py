@@ -216,6 +216,11 @@ def test_translate_refuses_an_early_stop_for_a_saved_model(capsys):
         (["--alpha", "nan"], "--alpha must be a finite number, got nan."),
         (["--alpha", "inf"], "--alpha must be a finite number, got inf."),
         (["--max-length", "0"], "--max-length must be at least 1."),
+        # int32 in the model: 2**32 + 1 would be read as 1, 2**31 as -2**31 ("unset").
+        (["--max-length", "4294967297"], "--max-length must be at most 2,147,483,647, got 4,294,967,297."),
+        (["--min-length", "2147483648"], "--min-length must be at most 2,147,483,647, got 2,147,483,648."),
+        (["--beam-size", "4294967298", "--n-best"], "--beam-size must be at most"),
+        (["--alpha", "1e6"], "--alpha must be at most 10, got 1e+06."),
     ],
 )
 def test_translate_options_out_of_range_are_usage_errors(tmp_path, capsys, flags, message):

@@ -8,6 +8,7 @@ import base64
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -591,3 +592,30 @@ def test_a_run_translates_with_its_own_beam_size_and_length_penalty(tiny_transla
     assert (given.decoding.beam_size, given.decoding.alpha) == (3, 1.0)
     unsaved = Translator.from_run_dir(tiny_translation_run)  # a run that saved neither
     assert (unsaved.decoding.beam_size, unsaved.decoding.alpha) == (4, 0.6)
+
+
+def test_translate_says_in_one_line_that_an_export_copied_in_part_cannot_load(exported, tmp_path, capsys):
+    version = tmp_path / "1"
+    shutil.copytree(exported[0], version)
+    (data,) = (version / "variables").glob("variables.data-*")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    exit_code = load_translate_cli().main(["--saved-model", str(tmp_path), "A dog."])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"translate.py: error: cannot load the SavedModel in {version}: ")
+
+
+@pytest.mark.parametrize("to_stdout", [False, True])
+def test_translations_that_cannot_be_written_are_one_line(exported, to_stdout):
+    """/dev/full fails every write with ENOSPC, as a full disk does."""
+    output = [] if to_stdout else ["--output", "/dev/full"]
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "translate.py", "--saved-model", str(exported[0]), *output, "A dog.", "Two cats."],
+            cwd=REPO, stdout=full if to_stdout else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            timeout=240,
+        )
+    where = "the translations to stdout" if to_stdout else "--output /dev/full"
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"translate.py: error: cannot write {where}: No space left on device."

@@ -181,7 +181,8 @@ def load_translator(args):
         directory = version_directory(args.saved_model)
         try:
             module = tf.saved_model.load(str(directory))
-        except (OSError, ValueError, tf.errors.OpError) as error:  # A damaged or partly copied export.
+        # A damaged or partly copied export (a cut variables file is an IndexError, as for checkpoints).
+        except (OSError, ValueError, IndexError, tf.errors.OpError) as error:
             message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise LoadError(f"cannot load the SavedModel in {directory}: {message}") from None
         print(f"{PROG}: translating with {directory}", file=sys.stderr)
@@ -327,7 +328,9 @@ class OutputFile:
         return self
 
     def __exit__(self, *exc_info):
-        self._file.close()
+        # Each batch was flushed: what is left unwritten is a failed write's, already told.
+        with contextlib.suppress(OSError):
+            self._file.close()
 
 
 def input_batches(args, stream):
@@ -425,6 +428,12 @@ def _translate(args):
             results = translate_all(translate_fn(signatures, args), input_batches(args, stream), args, output)
         except tf.errors.InvalidArgumentError as error:  # An option the model refuses.
             return fail(refusal(error))
+        except OSError as error:  # A full disk.
+            if isinstance(error, BrokenPipeError):  # `| head`: the reader left (interrupts.exit_code_of).
+                raise
+            if output is None:  # Else Python's exit would try to flush stdout again, and say so.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return fail(f"cannot write {_output_name(args)}: {error.strerror or error}.")
     if args.attention:  # With one sentence argument (see parse_args): `results` are its.
         try:
             translation = results[signature_table.TRANSLATION.name][0].numpy()
@@ -453,6 +462,10 @@ def translate_all(translate, sentence_batches, args, output):
     if progress is not None:
         progress.done(translated)
     return results
+
+
+def _output_name(args):
+    return f"--output {args.output}" if args.output else "the translations to stdout"
 
 
 def _is_terminal(stream):
