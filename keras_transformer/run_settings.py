@@ -636,17 +636,10 @@ def check_replicas(run, settings, replicas):
     Raises:
         SettingsError: When training would continue on another number of replicas.
     """
-    saved = settings.replicas
-    step = _resumed_step(run, settings)
-    if step is None:
-        return saved
-    if step and saved not in (None, replicas):
-        raise SettingsError(
-            f"{run} trained on {saved} replica(s) up to step {step}, and this command runs {replicas}: a run "
-            f"resumes only on as many replicas, as the global batch and the data order depend on it. Resume it "
-            f"on {saved} replica(s) (see --devices), or use another --run-dir."
-        )
-    return replicas
+    return _check_recorded_count(
+        run, settings, settings.replicas, replicas, "replica", "as the global batch and the data order depend on it",
+        "--devices",
+    )
 
 
 def check_workers(run, settings, workers):
@@ -655,23 +648,30 @@ def check_workers(run, settings, workers):
     Each worker reads its own shard of the pairs (`keras_transformer.data`), so the data
     order depends on the number of workers even where the replicas are as many (2 workers
     of 1 replica, or 1 process of 2). As for replicas (`check_replicas`), a run resumes
-    only on as many, and evaluating a finished run works on any number.
+    only on as many, and evaluating a finished run works on any number. A run of an
+    earlier version recorded no workers, and may have trained on several: not checked.
 
     Raises:
         SettingsError: When training would continue on another number of workers.
     """
-    saved = settings.workers
+    return _check_recorded_count(
+        run, settings, settings.workers, workers, "worker",
+        "as each reads its own shard of the data and the data order depends on it", "TF_CONFIG",
+    )
+
+
+def _check_recorded_count(run, settings, saved, current, unit, reason, where):
+    """`current` for a run that trains on, `saved` for a finished one; a resume on another number is refused."""
     step = _resumed_step(run, settings)
     if step is None:
         return saved
-    # A run of an earlier version recorded no workers, and may have trained on several: not checked.
-    if step and saved not in (None, workers):
+    if step and saved not in (None, current):  # None: recorded by no earlier command.
         raise SettingsError(
-            f"{run} trained on {saved} worker(s) up to step {step}, and this command runs {workers}: a run "
-            f"resumes only on as many workers, as each reads its own shard of the data and the data order "
-            f"depends on it. Resume it on {saved} worker(s) (see TF_CONFIG), or use another --run-dir."
+            f"{run} trained on {saved} {unit}(s) up to step {step}, and this command runs {current}: a run "
+            f"resumes only on as many {unit}s, {reason}. Resume it on {saved} {unit}(s) (see {where}), or use "
+            "another --run-dir."
         )
-    return workers
+    return current
 
 
 def _resumed_step(run, settings):
