@@ -18,6 +18,9 @@ EARLY_STOPPING = ("exact", "current_length")
 DEFAULT_MIN_LENGTH = 1
 # Largest beam a translator accepts: the served search's buffers grow with it.
 MAX_BEAM_SIZE = 16
+# Largest length penalty: ((5 + length) / 6) ** alpha stays far inside float32 for any output
+# length the model reaches; a larger alpha overflows it, and every score is then -0.
+MAX_ALPHA = 10.0
 # Most sentences a compiled translator searches at once; larger batches are searched that
 # many at a time: most of a larger compiled batch's speed, with fewer compilations and less memory.
 DEFAULT_XLA_MAX_BATCH = 16
@@ -35,7 +38,7 @@ class DecodingSettings:
 
     Args:
         beam_size: Beams per sentence, 1 to `MAX_BEAM_SIZE` (the paper: 4; 1 is greedy).
-        alpha: Length penalty strength, 0 or more (the paper: 0.6).
+        alpha: Length penalty strength, 0 to `MAX_ALPHA` (the paper: 0.6).
         max_extra_length: Outputs have at most source length + this many tokens (the paper: 50).
         min_length: Tokens generated before EOS at the least (1: no empty translation;
             0 lets EOS come first).
@@ -58,6 +61,8 @@ class DecodingSettings:
             raise ValueError(f"beam_size must be between 1 and {MAX_BEAM_SIZE}, got {self.beam_size}.")
         if not self.alpha >= 0:
             raise ValueError(f"alpha must be 0 or more, got {self.alpha}.")
+        if self.alpha > MAX_ALPHA:
+            raise ValueError(f"alpha must be at most {MAX_ALPHA:g}, got {self.alpha:g}.")
         if self.max_extra_length < 0:
             raise ValueError(f"max_extra_length must be 0 or more, got {self.max_extra_length}.")
         if self.min_length < 0:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from keras_transformer import corpora, precision, run_dir
 from keras_transformer.attention import ATTENTION_INITS
-from keras_transformer.decoding_settings import MAX_BEAM_SIZE, DecodingSettings
+from keras_transformer.decoding_settings import MAX_ALPHA, MAX_BEAM_SIZE, DecodingSettings
 from keras_transformer.recipes import DEFAULT_PRESET, RECIPES, get_recipe
 from keras_transformer.trainer import TrainingConfig
 
@@ -90,6 +90,13 @@ def non_negative_float(text):
     return value
 
 
+def length_penalty(text):
+    value = float(text)
+    if not 0 <= value <= MAX_ALPHA:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_ALPHA:g}, got {text}")
+    return value
+
+
 def probability(text):
     value = float(text)
     if not 0.0 <= value < 1.0:
@@ -105,7 +112,7 @@ def fraction(text):
 
 
 _INTEGER_CHECKS = (positive_int, non_negative_int, seed)
-_NUMBER_CHECKS = (positive_float, non_negative_float, probability, fraction)
+_NUMBER_CHECKS = (positive_float, non_negative_float, length_penalty, probability, fraction)
 
 
 def _setting(check, *, section="train", key=None, pinned=False, nullable=False, recorded=False):
@@ -150,7 +157,7 @@ class RunSettings:
     average_last: int = _setting(non_negative_int)
     bleu_sentences: int = _setting(non_negative_int)
     beam_size: int = _setting(positive_int)
-    alpha: float = _setting(non_negative_float)
+    alpha: float = _setting(length_penalty)
     # The number of replicas the run trains on (see `check_replicas`).
     replicas: int = _setting(positive_int, nullable=True, recorded=True)
     # The number of workers (input pipelines, each reading its shard of the pairs) it trains on (see `check_workers`).

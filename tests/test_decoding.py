@@ -326,6 +326,7 @@ def test_decoding_settings_default_to_the_papers_and_check_every_field():
         (dict(beam_size=0), "beam_size must be between 1 and 16, got 0"),
         (dict(beam_size=17), "beam_size must be between 1 and 16, got 17"),
         (dict(alpha=-0.5), "alpha must be 0 or more, got -0.5"),
+        (dict(alpha=10.5), "alpha must be at most 10, got 10.5"),
         (dict(max_extra_length=-1), "max_extra_length must be 0 or more, got -1"),
         (dict(min_length=-1), "min_length must be 0 or more, got -1"),
         (dict(early_stopping="never"), "early_stopping must be one of"),

@@ -7,15 +7,14 @@ The lengths and the beam go to the model as int32: a larger value would wrap aro
 
 import math
 
+from keras_transformer.decoding_settings import MAX_ALPHA
+
 INT32_MAX = 2**31 - 1
-# The length penalty ((5 + length) / 6) ** alpha stays far inside float32 for outputs of any
-# length the model reaches; a larger alpha overflows it, and every score is then -0.
-ALPHA_MAX = 10.0
 
 # Flag (its `args` name), the least and the largest value, and how the error says the range.
 _RANGES = (
     ("beam_size", 1, INT32_MAX, "at least 1"),
-    ("alpha", 0, ALPHA_MAX, "0 or more"),
+    ("alpha", 0, MAX_ALPHA, "0 or more"),
     ("max_length", 1, INT32_MAX, "at least 1"),
     ("min_length", 0, INT32_MAX, "0 or more"),
 )
