@@ -378,22 +378,19 @@ def test_settings_no_translator_could_use_fail_before_anything_is_written(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("value", ["-1", "11", "1e6", "nan"])
-def test_alpha_must_be_a_length_penalty_the_search_can_compute(tmp_path, capsys, value):
-    """Past 10, ((5 + length) / 6) ** alpha overflows float32 and every score is -0: the best is arbitrary."""
-    with pytest.raises(SystemExit) as raised:
-        train_cli.main(["--run-dir", str(tmp_path / "run"), "--alpha", value])
-    assert raised.value.code == 2
-    assert f"argument --alpha: must be from 0 to 10, got {value}" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
+# Past 10, ((5 + length) / 6) ** alpha overflows float32 and every score is -0: the best would be arbitrary.
+_OUT_OF_RANGE_NUMBERS = [
+    *(("--alpha", value, "must be from 0 to 10") for value in ("-1", "11", "1e6", "nan")),
+    *(("--epochs", value, "must be a positive number") for value in ("inf", "nan", "0")),
+]
 
 
-@pytest.mark.parametrize("value", ["inf", "nan", "0"])
-def test_epochs_must_be_a_finite_positive_number(tmp_path, capsys, value):
+@pytest.mark.parametrize("flag, value, message", _OUT_OF_RANGE_NUMBERS)
+def test_numbers_out_of_range_are_usage_errors_before_anything_is_written(tmp_path, capsys, flag, value, message):
     with pytest.raises(SystemExit) as raised:
-        train_cli.main(["--run-dir", str(tmp_path / "run"), "--epochs", value])
+        train_cli.main(["--run-dir", str(tmp_path / "run"), flag, value])
     assert raised.value.code == 2
-    assert f"argument --epochs: must be a positive number, got {value}" in capsys.readouterr().err
+    assert f"argument {flag}: {message}, got {value}" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

@@ -15,6 +15,13 @@ def exit_code_of(run, prog):
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # As Python's signal docs advise: no second error when stdout is flushed at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        discard_stdout()
         return 1
+
+
+def discard_stdout():
+    """Points stdout at /dev/null after a write to it failed: no second error when Python flushes it at exit.
+
+    As Python's signal docs advise for a reader that left (`| head`); a full disk is the same.
+    """
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -19,7 +19,8 @@ Input is read as it arrives, never whole: a batch is what has arrived when its f
 line is read, up to `--batch-size` lines, so a sentence typed at a terminal or written
 to a pipe is answered at once, and a file of any size is translated in full batches
 with bounded memory. Lines end at "\\n" only, as the corpus reader's; a line's trailing
-"\\r" (CRLF files) and a leading byte order mark are dropped; invalid UTF-8 is passed on.
+"\\r" (CRLF files) and a leading byte order mark are dropped; invalid UTF-8 is passed on
+(stderr names the first such line).
 
 When translations go to a file (`--output`, or stdout redirected), stderr gets a
 progress line every `PROGRESS_SECONDS` with the sentences translated so far and their
@@ -431,8 +432,8 @@ def _translate(args):
         except OSError as error:  # A full disk.
             if isinstance(error, BrokenPipeError):  # `| head`: the reader left (interrupts.exit_code_of).
                 raise
-            if output is None:  # Else Python's exit would try to flush stdout again, and say so.
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            if output is None:
+                interrupts.discard_stdout()
             return fail(f"cannot write {_output_name(args)}: {error.strerror or error}.")
     if args.attention:  # With one sentence argument (see parse_args): `results` are its.
         try:
