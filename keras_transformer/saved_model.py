@@ -31,8 +31,9 @@ the vocabulary; `assets/tokenizer.model` ships the same file for clients and for
 `sentencepiece` tools.
 
 The version is written under a temporary name, reloaded and checked (it must translate
-the check sentences exactly as the in-process `Translator` does, and its signatures must
-be the table's), and only then renamed to its number: TF Serving, which polls the base
+the check sentences exactly as the in-process `Translator` does, also when loaded into a
+session as TF Serving loads it, and its signatures must be the table's), and only then
+renamed to its number: TF Serving, which polls the base
 directory for numbered versions, never sees a partial or unchecked model.
 """
 
@@ -258,6 +259,8 @@ def verify_export(directory, translator, sentences):
         f"the same best translations, with {with_options['translations'].shape[1]}-best lists"
     )
 
+    yield _check_served_as_tf_serving_loads(directory, translator, sentences[:3])
+
     vocabulary = directory / "assets" / VOCABULARY_ASSET
     if not vocabulary.is_file() or vocabulary.read_bytes() != translator.tokenizer.model_proto:
         raise ExportError(f"{vocabulary} is missing or differs from the tokenizer in the graph.")
@@ -266,6 +269,24 @@ def verify_export(directory, translator, sentences):
     warmup = directory / "assets.extra" / WARMUP_FILE
     if warmup.is_file():
         yield _check_warmup_requests(loaded, warmup)
+
+
+def _check_served_as_tf_serving_loads(directory, translator, sentences):
+    """Translates `sentences` with `serving_default` loaded as TF Serving loads it: into a session, whose
+    variables the checkpoint's restore op sets. `tf.saved_model.load` restores by object instead, and
+    would hide variables that the restore op leaves unset."""
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as session:
+        signature = tf.compat.v1.saved_model.load(session, ["serve"], str(directory)).signature_def[SERVING_SIGNATURE]
+        try:
+            found = session.run(
+                {name: output.name for name, output in signature.outputs.items()},
+                {signature.inputs[TEXT.name].name: np.array(sentences, dtype=object)},
+            )
+        except tf.errors.OpError as error:
+            raise ExportError(f"{SERVING_SIGNATURE} fails as TF Serving loads it: {error.message.splitlines()[0]}")
+    expected = translator.translate(tf.constant(sentences, dtype=tf.string))
+    _check_same({name: tf.constant(value) for name, value in found.items()}, expected, "TF Serving's loading")
+    return f"{SERVING_SIGNATURE} translates as the in-process translator when loaded as TF Serving loads it"
 
 
 def _check_warmup_requests(loaded, path):

@@ -15,7 +15,8 @@ The options follow one rule: a value below the option's `smallest` is unset and 
 the model's own setting (what `serving_default` uses); clients send `unset` (0 or -1)
 for it. For `max_length` the model's own is no cap beyond the source length +
 `max_extra_length`. A `beam_size` over `MAX_BEAM_SIZE` is refused (INVALID_ARGUMENT,
-"beam_size is at most 16"), not clipped.
+"beam_size is at most 16"), not clipped, and so is an input of another rank than
+its shape here (INVALID_ARGUMENT, "min_length must be a scalar, got the shape] [2]").
 
 `SIGNATURES` is read by `Translator` (its input specs and the unset rule), by the
 export's self-check, by the REST and gRPC clients (`keras_transformer.serving_client`)
@@ -51,6 +52,11 @@ class TensorInfo:
     def batched(self) -> bool:
         """Whether it has a batch dimension (TF Serving's row format and batching need one)."""
         return len(self.shape) > 0
+
+    @property
+    def shape_words(self) -> str:
+        """Its shape as error messages say it: "a scalar", "a vector [batch]", "of rank 2"."""
+        return {0: "a scalar", 1: "a vector [batch]"}.get(len(self.shape), f"of rank {len(self.shape)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,8 @@ length) pair of those once. TF Serving runs such a model on a CPU only with
 A `Translator` keeps the output projection's kernel (the transposed embedding matrix)
 as a variable of its own, made when it is built: every search would otherwise copy
 the whole matrix once. Build it from the trained weights; a model trained further needs
-a new `Translator`.
+a new `Translator`. A SavedModel of it holds the model's TensorFlow variables, not the
+Keras model, so that TF Serving's loader restores the variables its signatures read.
 """
 
 import tensorflow as tf
@@ -144,7 +145,12 @@ class Translator(tf.Module):
                 f"Translator pads with the tokenizer's padding id {PAD_ID}, but the model's pad_id "
                 f"is {model.pad_id}."
             )
-        self.model = model
+        self._hold_untracked(model)
+        # What a SavedModel's checkpoint holds: the TensorFlow variables the searches read.
+        # Saved as a Keras model, each Keras variable would be restored into a copy of its own,
+        # and a loader that runs the checkpoint's restore op (TF Serving, `saved_model_cli run`)
+        # left the variables the signatures read uninitialized: "Could not find variable".
+        self.model_variables = [variable.value for variable in model.variables]
         self.tokenizer = tokenizer
         self.decoding = decoding
         self.max_source_length = (
@@ -186,6 +192,11 @@ class Translator(tf.Module):
             if jit_compile
             else None
         )
+
+    @tf.__internal__.tracking.no_automatic_dependency_tracking
+    def _hold_untracked(self, model):
+        """Keeps `model` as `self.model`, out of what a SavedModel of the translator saves."""
+        self.model = model
 
     @classmethod
     def from_run_dir(cls, path, which="best", decoding=None, **options):
@@ -236,6 +247,7 @@ class Translator(tf.Module):
             `[batch]`: the translation's summed token log-probability divided by the
             length penalty `((5 + tokens) / 6) ** alpha` (0.0 for a blank input).
         """
+        (text,) = _checked_ranks(signature_table.SERVING_DEFAULT, text)
         source_ids, blank = self._source_ids(text)
         if self.jit_compile:
             batch_size = tf.shape(source_ids)[0]
@@ -280,6 +292,9 @@ class Translator(tf.Module):
             n-best list, best first; a slot without a hypothesis holds "" and
             `decoding.NEG_INF`).
         """
+        text, beam_size, alpha, max_length, min_length = _checked_ranks(
+            signature_table.TRANSLATE_WITH_OPTIONS, text, beam_size, alpha, max_length, min_length
+        )
         # Unset means `translate`'s settings: a client of an exported model has no other
         # way to ask for them, as they are not in the signature.
         beam_size = _own_if_unset(signature_table.BEAM_SIZE, beam_size, self.decoding.beam_size)
@@ -370,6 +385,29 @@ class Translator(tf.Module):
         """Text of `tokens [batch, length]` (cut at EOS), as valid UTF-8."""
         text = self.tokenizer.detokenize(tokens)
         return tf.strings.unicode_transcode(text, "UTF-8", "UTF-8", errors="replace")
+
+
+def _checked_ranks(signature, *inputs):
+    """`inputs`, in `signature`'s order, once each has its rank there; else an InvalidArgumentError naming it.
+
+    TF Serving feeds a request's tensors whatever their shape: a vector for a scalar
+    option failed deep in the search without naming it, and a `text` of rank 2 was
+    translated flattened. Grappler folds what the declared shapes tell (a rank, a
+    fixed shape), so each check compares what only the fed tensor tells: its size
+    with its shape's first dimension for a `[batch]` input (a `[batch, 1]` one passes, and
+    translates as `[batch]`), its rank for a scalar. An eager call of a reloaded signature
+    folds the scalars' check too.
+    """
+    checks = []
+    for tensor, value in zip(signature.inputs, inputs, strict=True):
+        shape = tf.raw_ops.Shape(input=value)  # Not `tf.shape`, which Python folds to a known shape.
+        if tensor.batched:  # A scalar's shape has no first dimension: 0 there.
+            right = tf.equal(tf.size(value), tf.concat([shape, [0]], axis=0)[0])
+        else:
+            right = tf.equal(tf.raw_ops.Rank(input=value), 0)
+        checks.append(tf.debugging.Assert(right, [f"{tensor.name} must be {tensor.shape_words}, got the shape", shape]))
+    with tf.control_dependencies(checks):
+        return tuple(tf.identity(value) for value in inputs)
 
 
 def _own_if_unset(option, value, own):

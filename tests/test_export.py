@@ -43,7 +43,8 @@ def test_export_writes_a_checked_version_in_tf_servings_layout(exported, tiny_tr
         tiny_translation_run
     ).read_bytes()
     checks = [line for line in lines if line.strip().startswith("ok:")]
-    assert len(checks) == 5 and any("as the in-process translator" in line for line in checks)
+    assert len(checks) == 6 and any("as the in-process translator" in line for line in checks)
+    assert any("loaded as TF Serving loads it" in line for line in checks)
     # The last line names the checkpoint that "best" was in this run.
     exported_from = re.fullmatch(rf"Exported (\S+) \(best\) to {re.escape(str(version_dir))}\.", lines[-1])
     assert exported_from and Path(exported_from[1]).parent.parent == Path(tiny_translation_run), lines[-1]
@@ -108,7 +109,7 @@ def test_without_the_serving_api_the_export_has_no_warmup_requests_and_says_how_
     warnings = [line for line in lines if line.startswith("warning:")]
     assert len(warnings) == 1 and 'pip install -e ".[serving]"' in warnings[0]
     assert not (version_dir / "assets.extra").exists()
-    assert len([line for line in lines if line.strip().startswith("ok:")]) == 4  # all checks but the warmups'
+    assert len([line for line in lines if line.strip().startswith("ok:")]) == 5  # all checks but the warmups'
     with pytest.raises(ImportError):
         saved_model.warmup_records(MODEL_NAME, [["A dog."]])
 
@@ -291,6 +292,65 @@ def test_bad_inputs_never_fail_and_do_not_change_their_neighbours(served, senten
     # Empty and whitespace-only inputs translate to nothing, with certainty; any other input to something.
     assert list(mixed["translation"][1:3]) == [b"", b""] and list(mixed["score"][1:3]) == [0.0, 0.0]
     assert all(text.strip() for index, text in enumerate(mixed["translation"]) if index not in (1, 2))
+
+
+def run_as_tf_serving(export_dir, signature_name, inputs):
+    """A signature's outputs as TF Serving computes them: the SavedModel loaded into a session, whose
+    checkpoint's restore op sets the variables, and `inputs` fed whatever their shape (TF Serving checks
+    none; a Python session's `run` would, so the session's own call is used)."""
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as session:
+        signature = tf.compat.v1.saved_model.load(session, ["serve"], str(export_dir)).signature_def[signature_name]
+        feeds = {
+            graph.get_tensor_by_name(signature.inputs[name].name)._as_tf_output(): np.asarray(
+                value, object if name == "text" else signatures.SIGNATURES[signature_name].input(name).dtype
+            )
+            for name, value in inputs.items()
+        }
+        names = sorted(signature.outputs)
+        fetches = [graph.get_tensor_by_name(signature.outputs[name].name)._as_tf_output() for name in names]
+        return dict(zip(names, session._call_tf_sessionrun(None, feeds, fetches, [], None), strict=True))
+
+
+def test_tf_servings_loading_gives_the_signatures_every_trained_weight(exported, served, sentences):
+    """Saved as a Keras model, the weights were restored into copies that the signatures do not read:
+    TF Serving answered "Could not find variable transformer/shared_embedding/embeddings"."""
+    options = {"beam_size": 3, "alpha": 0.6, "max_length": 0, "min_length": -1}
+    for name, inputs in (
+        ("serving_default", {"text": sentences[:3]}),
+        ("translate_with_options", {"text": sentences[:3], **options}),
+    ):
+        found = run_as_tf_serving(exported[0], name, inputs)
+        expected = translate(served[name], inputs.pop("text"), **inputs)
+        assert found.keys() == expected.keys()
+        for output, values in expected.items():
+            if values.dtype == object:
+                np.testing.assert_array_equal(found[output], values)
+            else:
+                np.testing.assert_allclose(found[output], values, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "signature_name, inputs, message",
+    [
+        ("serving_default", {"text": [["A dog.", "A cat."]]}, "text must be a vector [batch], got the shape] [1 2]"),
+        ("serving_default", {"text": "A dog."}, "text must be a vector [batch], got the shape] []"),
+        (
+            "translate_with_options",
+            {"text": ["A dog."], "beam_size": 2, "alpha": 0.6, "max_length": 0, "min_length": [1, 2]},
+            "min_length must be a scalar, got the shape] [2]",
+        ),
+        (
+            "translate_with_options",
+            {"text": ["A dog."], "beam_size": [[2]], "alpha": 0.6, "max_length": 0, "min_length": 1},
+            "beam_size must be a scalar, got the shape] [1 1]",
+        ),
+    ],
+)
+def test_an_input_of_another_rank_than_its_signatures_is_refused_by_name(exported, signature_name, inputs, message):
+    """It failed without naming the input ("Incompatible shapes: [4000] vs. [2]") or, for a `text` of rank 2,
+    translated the flattened batch."""
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
+        run_as_tf_serving(exported[0], signature_name, inputs)
 
 
 @pytest.fixture(scope="module")
