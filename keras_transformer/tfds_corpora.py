@@ -49,9 +49,9 @@ def load_wmt14(
         source_lang: "en" or "de".
         target_lang: The other one.
         download: Whether TFDS may download and prepare the data (several GB).
-        seed: Seed of the (per-epoch) order of the training files. With a seed the
-            training pairs come in the same order in every process, as resuming and
-            multi-worker sharding need; without one TFDS reads the files in any order.
+        seed: Seed of the order of the training files. With a seed the training pairs
+            come in the same order in every process and every iteration, as resuming
+            and multi-worker sharding need; without one TFDS reads the files in any order.
 
     Returns:
         The corpus; `train` is a `tf.data.Dataset` of string pairs.
@@ -120,8 +120,17 @@ def _load_tfds(
                 "WMT14 takes several GB and hours).", tfds_name, where,
             )
             builder.download_and_prepare()
-        # Without a seed, TFDS also interleaves the shuffled files non-deterministically.
-        train = builder.as_dataset(split="train", shuffle_files=True, read_config=tfds.ReadConfig(shuffle_seed=seed))
+        # Without a seed, TFDS also interleaves the shuffled files non-deterministically. With
+        # one, every iteration of `train` reads the files in the same order: TFDS would
+        # otherwise reshuffle them on each iteration, so the order the training stream got
+        # would depend on how often the process had read `train` before (the chief reads it
+        # once more, to learn the vocabulary, than the other workers and a resumed run do),
+        # and the workers' shards (`Dataset.shard`) would overlap and miss pairs. The data
+        # pipeline caches the pairs and reshuffles them every epoch itself.
+        read_config = tfds.ReadConfig(
+            shuffle_seed=seed, shuffle_reshuffle_each_iteration=False if seed is not None else None
+        )
+        train = builder.as_dataset(split="train", shuffle_files=True, read_config=read_config)
         validation, test = builder.as_dataset(split=["validation", "test"], shuffle_files=False)
     except ImportError as error:
         # Some builders import optional packages only when used: not a missing dataset.
