@@ -29,7 +29,8 @@ never the alignment: a pair whose source or target line is empty or not valid UT
 skipped, and the number skipped is logged in one warning per file pair. A test split
 keeps every line (malformed bytes as U+FFFD), so that a run's translations of it stay
 line-aligned with its files; an empty source translates to an empty line. Files with
-different line counts raise `CorpusError`. A corpus that cannot be found or downloaded
+different line counts, or in UTF-16 or UTF-32 (told by their byte order mark), raise
+`CorpusError`. A corpus that cannot be found or downloaded
 raises `DatasetUnavailableError`, whose message says where to get it and how to pass a
 local copy; a Python package that TFDS needs and lacks raises `MissingPackageError` (an
 `ImportError`) naming the package to install.
@@ -286,7 +287,8 @@ def read_parallel_files(
         The kept pairs, in file order.
 
     Raises:
-        CorpusError: When the files have different numbers of lines.
+        CorpusError: When the files have different numbers of lines, or one is UTF-16
+            or UTF-32 text.
     """
     source_lines = _read_lines(source_path)
     target_lines = _read_lines(target_path)
@@ -322,14 +324,30 @@ def read_parallel_files(
     return pairs
 
 
+# Byte order marks of the encodings Windows tools write as "Unicode"; UTF-32's first: it begins with UTF-16's.
+_OTHER_ENCODINGS = (
+    (codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"),
+)
+
+
 def _read_lines(path: str | os.PathLike) -> list[bytes]:
     """Splits a file on "\\n" only (dropping a "\\r" before it), keeping it undecoded.
 
     A UTF-8 byte order mark at the start, which some editors write, is not text: left
-    in, it would begin the first sentence, source and reference alike.
+    in, it would begin the first sentence, source and reference alike. A UTF-16 or
+    UTF-32 one raises CorpusError: read as UTF-8, such a file is not skipped line by
+    line but gives NUL-riddled pairs wherever a line happens to decode.
     """
     with tf.io.gfile.GFile(os.fspath(path), "rb") as text_file:
-        lines = text_file.read().removeprefix(codecs.BOM_UTF8).split(b"\n")
+        text = text_file.read()
+    for mark, encoding in _OTHER_ENCODINGS:
+        if text.startswith(mark):
+            raise CorpusError(
+                f"{path} is {encoding} text (it starts with a {encoding} byte order mark); corpus files must be "
+                f"UTF-8: convert it, e.g. iconv -f {encoding} -t UTF-8 FILE > FILE.utf8."
+            )
+    lines = text.removeprefix(codecs.BOM_UTF8).split(b"\n")
     if lines[-1] == b"":
         lines.pop()
     return [line[:-1] if line.endswith(b"\r") else line for line in lines]

@@ -2,6 +2,7 @@
 
 import functools
 import gzip
+import re
 import http.server
 import socket
 import threading
@@ -218,6 +219,17 @@ def test_a_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path):
     source.write_bytes("\ufeffHello world.\nBye.\n".encode("utf-8"))
     target.write_bytes("\ufeffHallo Welt.\r\nTschüss.\r\n".encode("utf-8"))
     assert read_parallel_files(source, target) == [("Hello world.", "Hallo Welt."), ("Bye.", "Tschüss.")]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_a_utf16_or_utf32_file_is_an_error_not_nul_riddled_pairs(tmp_path, encoding):
+    """Read as UTF-8, some of its lines decode: they became pairs of "\\x00A\\x00 \\x00d\\x00o\\x00g..."."""
+    source, target = tmp_path / "s.txt", tmp_path / "t.txt"
+    source.write_text("A dog.\nTwo cats.\n", encoding=encoding)  # With its byte order mark.
+    target.write_text("Ein Hund.\nZwei Katzen.\n", encoding="utf-8")
+    name = encoding.upper()
+    with pytest.raises(CorpusError, match=re.escape(f"{source} is {name} text") + f".*iconv -f {name} -t UTF-8"):
+        read_parallel_files(source, target, keep_every_line=True)
 
 
 def test_clean_files_load_without_warning(tmp_path, caplog):
