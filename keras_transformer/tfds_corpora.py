@@ -125,8 +125,9 @@ def _load_tfds(
         # otherwise reshuffle them on each iteration, so the order the training stream got
         # would depend on how often the process had read `train` before (the chief reads it
         # once more, to learn the vocabulary, than the other workers and a resumed run do),
-        # and the workers' shards (`Dataset.shard`) would overlap and miss pairs. The data
-        # pipeline caches the pairs and reshuffles them every epoch itself.
+        # so a resumed run would not see the batches of the run it continues (and shards
+        # taken by position would overlap and miss pairs). The data pipeline caches the
+        # pairs and reshuffles them every epoch itself.
         read_config = tfds.ReadConfig(
             shuffle_seed=seed, shuffle_reshuffle_each_iteration=False if seed is not None else None
         )
