@@ -16,8 +16,9 @@ Choices, checked on Multi30k (vocabulary 8000, trained on train.en + train.de):
 * Normalization `identity`: tokenize -> detokenize gives back every validation line,
   English and German, unchanged. `nfkc` and `nmt_nfkc` do not: they turn the
   no-break space in "120\\xa0cm" into a plain space. With `identity` the only changes made
-  to text are that runs of ASCII spaces collapse to one, and `clean_text`'s: line breaks
-  and tabs become spaces, and outer whitespace of any kind is stripped.
+  to text are that runs of ASCII spaces collapse to one, that U+2581 ("▁", SentencePiece's
+  own space mark) comes back as a space, and `clean_text`'s: line breaks and tabs become
+  spaces, and outer whitespace of any kind is stripped.
 * `byte_fallback=True`: characters outside the vocabulary (emoji, unseen scripts) become
   their UTF-8 bytes (pieces "<0x00>".."<0xFF>") instead of `UNK_ID`, so detokenization
   stays lossless and the model can still copy such characters; it costs 256 ids. Because
