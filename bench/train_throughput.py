@@ -453,7 +453,10 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=None, help="sentences per batch (default per preset)")
     parser.add_argument("--src-len", type=int, default=24)
     parser.add_argument("--tgt-len", type=int, default=24)
-    parser.add_argument("--vocab-size", type=int, default=8000, help="shared vocabulary (train.py's default)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=8000,
+        help="shared vocabulary (the corpus default of train.py; its small and medium presets learn 4000)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
     parser.add_argument("--steps", type=int, default=2, help="least steps per timed repeat")
     parser.add_argument(
