@@ -131,7 +131,8 @@ def parse_args(argv=None):
         "--batch-size",
         type=int,
         default=32,
-        help="Most sentences per batch (a batch holds the input lines that have arrived, up to this many).",
+        help="Most sentences per batch (a batch holds the input lines that have arrived, up to this many; "
+        "default 32).",
     )
     parser.add_argument(
         "--input", help="File of sentences, one per line, read as it is translated (default: stdin)."
