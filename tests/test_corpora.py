@@ -2,8 +2,8 @@
 
 import functools
 import gzip
-import re
 import http.server
+import re
 import socket
 import threading
 import time
