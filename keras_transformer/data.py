@@ -233,6 +233,30 @@ def encode_pairs(
     )
 
 
+def count_long_pairs(
+    pairs: Sequence[tuple[str, str]] | tf.data.Dataset,
+    tokenizer: SubwordTokenizer,
+    max_length: int = DEFAULT_MAX_LENGTH,
+) -> int:
+    """How many `(source, target)` pairs have a side longer than `max_length` leaves room for.
+
+    Those are the pairs `make_training_dataset` drops, or cuts to fit with
+    `long_sentences="truncate"`: a side of more than `max_length - 1` tokens, with no room
+    for its EOS or BOS. Reads `pairs` once, tokenizing them in chunks.
+    """
+    _check_room(max_length)
+    longest_text = max_length - 1
+
+    def count_chunk(sources, targets):
+        too_long = (tokenizer.tokenize(sources).row_lengths() > longest_text) | (
+            tokenizer.tokenize(targets).row_lengths() > longest_text
+        )
+        return tf.reduce_sum(tf.cast(too_long, tf.int64))
+
+    chunks = _string_pairs(pairs).batch(_TOKENIZE_CHUNK).map(count_chunk, num_parallel_calls=tf.data.AUTOTUNE)
+    return int(chunks.reduce(tf.constant(0, tf.int64), lambda total, count: total + count))
+
+
 def shard_pairs(strings: tf.data.Dataset, num_shards: int, index: int) -> tf.data.Dataset:
     """The pairs of `strings` in shard `index` of `num_shards`, by a hash of their text.
 

@@ -85,6 +85,8 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
         )
     is_chief = distribution.is_chief(strategy)
     tokenizer = prepare_tokenizer(run, corpus, settings, strategy)
+    if is_chief and not isinstance(corpus.train, tf.data.Dataset):  # A TFDS stream would take a pass of its own.
+        report_long_pairs(corpus.train, tokenizer, settings.max_length, settings.long_sentences)
     # After the vocabulary: its barrier is the set-up's first collective, the choice's the second.
     settings = choose_precision(settings, strategy)
     if settings.epochs is not None:
@@ -256,6 +258,18 @@ def _vocabulary_error(settings, error):
         f"Cannot learn a {settings.vocab_size}-token vocabulary on the {settings.dataset} training "
         f"text ({detail}); adjust --vocab-size."
     )
+
+
+def report_long_pairs(pairs, tokenizer, max_length, long_sentences):
+    """Logs how many training `pairs` are too long for `max_length`, and what becomes of them, if any are."""
+    long = data.count_long_pairs(pairs, tokenizer, max_length)
+    if not long:
+        return
+    what = f"{long:,} of {len(pairs):,} training pairs have a side over --max-length {max_length} tokens (EOS included)"
+    if long_sentences == "truncate":
+        logger.info("%s: they are cut to fit.", what)
+    else:
+        logger.warning("%s: they are left out (--long-sentences truncate cuts them to fit instead).", what)
 
 
 def _no_training_pairs(run, settings):

@@ -15,6 +15,7 @@ from keras_transformer.corpora import load_multi30k
 from keras_transformer.data import (
     bucket_batch_sizes,
     bucket_boundaries,
+    count_long_pairs,
     make_training_dataset,
     make_translation_dataset,
     shard_pairs,
@@ -119,6 +120,12 @@ def test_string_dataset_input_and_sharding_split_the_pairs(pairs, encode, multi3
 
     assert shards[0] and shards[1]
     assert shards[0] + shards[1] == _expected_pairs(pairs, encode)
+
+
+def test_the_long_pairs_counted_are_those_the_training_data_leaves_out(pairs, encode, multi30k_tokenizer):
+    too_long = sum(max(len(encode(source)), len(encode(target))) >= MAX_LENGTH for source, target in pairs)
+    assert 0 < too_long < len(pairs)
+    assert count_long_pairs(pairs, multi30k_tokenizer, MAX_LENGTH) == too_long
 
 
 def test_shards_are_alike_whatever_the_order_of_the_corpus(pairs, multi30k_tokenizer):

@@ -294,6 +294,27 @@ def _trainer(run, validate_fn=None, **config):
     )
 
 
+def test_a_run_says_how_many_training_pairs_are_too_long_and_what_becomes_of_them(
+    multi30k_dir, multi30k_tokenizer, caplog
+):
+    from keras_transformer.corpora import load_multi30k
+
+    pairs = load_multi30k(multi30k_dir).train[:500]
+    long = sum(
+        max(len(multi30k_tokenizer.tokenize(side).numpy()) for side in pair) > 11 for pair in pairs
+    )
+    assert 0 < long < len(pairs)
+    with caplog.at_level("INFO", logger="keras_transformer.training_run"):
+        for long_sentences in ("filter", "truncate"):
+            training_run.report_long_pairs(pairs, multi30k_tokenizer, 12, long_sentences)
+        training_run.report_long_pairs(pairs, multi30k_tokenizer, 256, "filter")  # none: nothing said
+    what = f"{long} of 500 training pairs have a side over --max-length 12 tokens (EOS included)"
+    assert [(record.levelname, record.getMessage()) for record in caplog.records] == [
+        ("WARNING", f"{what}: they are left out (--long-sentences truncate cuts them to fit instead)."),
+        ("INFO", f"{what}: they are cut to fit."),
+    ]
+
+
 def test_a_run_logs_its_plan_and_an_estimate_after_its_first_timed_steps(tmp_path, caplog):
     """Step 1 traces the step function; steps 2-11 are timed, then the estimate of the 3 steps left."""
     trainer = _trainer(tmp_path / "run", train_steps=14)
