@@ -90,7 +90,7 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
     # After the vocabulary: its barrier is the set-up's first collective, the choice's the second.
     settings = choose_precision(settings, strategy)
     if settings.epochs is not None:
-        settings = settings.replace(train_steps=steps_for_epochs(run, corpus, tokenizer, settings, replicas))
+        settings = settings.replace(train_steps=steps_for_epochs(run, corpus, tokenizer, settings, replicas, workers))
         check_not_shorter_than_trained(run, settings.train_steps, settings.epochs)
         settings = settings.replace(replicas=check_replicas(run, settings, replicas))
         settings = settings.replace(workers=check_workers(run, settings, workers))
@@ -283,19 +283,27 @@ def _no_training_pairs(run, settings):
     )
 
 
-def steps_for_epochs(run, corpus, tokenizer, settings, num_replicas):
+def steps_for_epochs(run, corpus, tokenizer, settings, num_replicas, num_workers=1):
     """Steps of `settings.epochs` passes: per-replica batches of one epoch / replicas.
 
-    The replicas are those the run recorded, else `num_replicas`: a finished run keeps
-    its length on any number of devices, so evaluating it works there, and resuming it
-    on another number is refused as such (`check_replicas`).
+    The replicas and workers are those the run recorded, else `num_replicas` and
+    `num_workers`: a finished run keeps its length on any number of devices, so evaluating
+    it works there, and resuming it on another number is refused as such (`check_replicas`).
+    With several workers, each pass is over its own shard, whose batches end short at more
+    bucket edges: the batches of an epoch are those of every worker's shard.
     """
     num_replicas = settings.replicas or num_replicas
-    batches = data.make_training_dataset(
-        corpus.train, tokenizer, token_budget=settings.token_budget, max_length=settings.max_length,
-        long_sentences=settings.long_sentences, seed=settings.seed,
-    )
-    per_epoch = int(batches.reduce(0, lambda count, _: count + 1))
+    num_workers = settings.workers or num_workers
+
+    def batches(worker):
+        context = tf.distribute.InputContext(num_workers, worker, num_replicas) if num_workers > 1 else None
+        dataset = data.make_training_dataset(
+            corpus.train, tokenizer, token_budget=settings.token_budget, max_length=settings.max_length,
+            long_sentences=settings.long_sentences, seed=settings.seed, input_context=context,
+        )
+        return int(dataset.reduce(0, lambda count, _: count + 1))
+
+    per_epoch = sum(batches(worker) for worker in range(num_workers))
     if not per_epoch:
         raise SettingsError(_no_training_pairs(run, settings))
     steps = max(1, math.ceil(settings.epochs * per_epoch / num_replicas))

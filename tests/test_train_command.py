@@ -642,6 +642,28 @@ def test_an_epochs_run_keeps_its_length_on_another_number_of_replicas(tmp_path, 
     assert training_run.steps_for_epochs(tmp_path, corpus, multi30k_tokenizer, recorded, 1) == on_two
 
 
+def test_an_epoch_on_two_workers_is_a_pass_over_each_workers_shard(tmp_path, multi30k_dir, multi30k_tokenizer):
+    """Counted as the batches of the whole corpus, it was fewer steps than either shard has batches."""
+    from types import SimpleNamespace
+
+    from keras_transformer import data
+    from keras_transformer.corpora import load_multi30k
+
+    corpus = SimpleNamespace(train=load_multi30k(multi30k_dir).train[:2000])
+    settings = run_settings.layered({"preset": "tiny", "epochs": 1, "vocab_size": multi30k_tokenizer.vocab_size})
+    shard_batches = [
+        int(
+            data.make_training_dataset(
+                corpus.train, multi30k_tokenizer, token_budget=settings.token_budget, max_length=settings.max_length,
+                seed=settings.seed, input_context=tf.distribute.InputContext(2, worker, 2),
+            ).reduce(0, lambda count, _: count + 1)
+        )
+        for worker in (0, 1)
+    ]
+    steps = training_run.steps_for_epochs(tmp_path, corpus, multi30k_tokenizer, settings, 2, 2)
+    assert min(shard_batches) <= steps <= max(shard_batches), (steps, shard_batches)
+
+
 @pytest.mark.slow
 def test_a_finished_run_extended_by_epochs_checks_its_replicas(existing_run, multi30k_dir):
     """Finished at step 100 on 2 replicas; --epochs 1 means more steps, and this command has 1 replica."""
