@@ -276,17 +276,25 @@ def _check_served_as_tf_serving_loads(directory, translator, sentences):
     variables the checkpoint's restore op sets. `tf.saved_model.load` restores by object instead, and
     would hide variables that the restore op leaves unset."""
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as session:
-        signature = tf.compat.v1.saved_model.load(session, ["serve"], str(directory)).signature_def[SERVING_SIGNATURE]
         try:
+            signature = tf.compat.v1.saved_model.load(session, ["serve"], str(directory)).signature_def[
+                SERVING_SIGNATURE
+            ]
             found = session.run(
                 {name: output.name for name, output in signature.outputs.items()},
                 {signature.inputs[TEXT.name].name: np.array(sentences, dtype=object)},
             )
         except tf.errors.OpError as error:
-            raise ExportError(f"{SERVING_SIGNATURE} fails as TF Serving loads it: {error.message.splitlines()[0]}")
+            raise ExportError(f"{SERVING_SIGNATURE} fails as TF Serving loads it: {_cause(error)}") from error
     expected = translator.translate(tf.constant(sentences, dtype=tf.string))
     _check_same({name: tf.constant(value) for name, value in found.items()}, expected, "TF Serving's loading")
     return f"{SERVING_SIGNATURE} translates as the in-process translator when loaded as TF Serving loads it"
+
+
+def _cause(error):
+    """The first line of an OpError's message that says what failed: a session's begins "Graph execution error:"."""
+    lines = [line.strip() for line in error.message.splitlines()]
+    return next((line for line in lines if line and line != "Graph execution error:"), type(error).__name__)
 
 
 def _check_warmup_requests(loaded, path):

@@ -329,6 +329,28 @@ def test_tf_servings_loading_gives_the_signatures_every_trained_weight(exported,
                 np.testing.assert_allclose(found[output], values, rtol=1e-5)
 
 
+def test_the_exports_session_check_refuses_a_keras_variable_a_server_leaves_unset_and_says_so(tmp_path):
+    """The bug the check is for, in miniature: a `tf.Module` that tracks a Keras 3 layer saves copies of its
+    variables, which TF Serving's restore op sets, while the signature reads the originals. The error must
+    name the cause, not only the session's "Graph execution error:" heading."""
+    import keras
+
+    class KerasInside(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = keras.layers.Dense(1)
+            self.layer.build((None, 1))
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+        def translate(self, text):
+            return {"translation": text, "score": self.layer(tf.ones([tf.size(text), 1]))[:, 0]}
+
+    module = KerasInside()
+    tf.saved_model.save(module, str(tmp_path), signatures={"serving_default": module.translate})
+    with pytest.raises(saved_model.ExportError, match="TF Serving loads it: Could not find variable dense"):
+        saved_model._check_served_as_tf_serving_loads(tmp_path, module, ["A dog."])
+
+
 @pytest.mark.parametrize(
     "signature_name, inputs, message",
     [
