@@ -29,8 +29,8 @@ never the alignment: a pair whose source or target line is empty or not valid UT
 skipped, and the number skipped is logged in one warning per file pair. A test split
 keeps every line (malformed bytes as U+FFFD), so that a run's translations of it stay
 line-aligned with its files; an empty source translates to an empty line. Files with
-different line counts, or in UTF-16 or UTF-32 (told by their byte order mark), raise
-`CorpusError`. A corpus that cannot be found or downloaded
+different line counts, or in UTF-16 or UTF-32 (told by their byte order mark, or by NUL
+bytes beside their first line break), raise `CorpusError`. A corpus that cannot be found or downloaded
 raises `DatasetUnavailableError`, whose message says where to get it and how to pass a
 local copy; a Python package that TFDS needs and lacks raises `MissingPackageError` (an
 `ImportError`) naming the package to install.
@@ -336,8 +336,9 @@ def _read_lines(path: str | os.PathLike) -> list[bytes]:
 
     A UTF-8 byte order mark at the start, which some editors write, is not text: left
     in, it would begin the first sentence, source and reference alike. A UTF-16 or
-    UTF-32 one raises CorpusError: read as UTF-8, such a file is not skipped line by
-    line but gives NUL-riddled pairs wherever a line happens to decode.
+    UTF-32 one raises CorpusError, and so do NUL bytes beside the first line break (such
+    text without a mark): read as UTF-8, such a file is not skipped line by line but gives
+    NUL-riddled pairs wherever a line happens to decode.
     """
     with tf.io.gfile.GFile(os.fspath(path), "rb") as text_file:
         text = text_file.read()
@@ -347,6 +348,14 @@ def _read_lines(path: str | os.PathLike) -> list[bytes]:
                 f"{path} is {encoding} text (it starts with a {encoding} byte order mark); corpus files must be "
                 f"UTF-8: convert it, e.g. iconv -f {encoding} -t UTF-8 FILE > FILE.utf8."
             )
+    # Without a mark (iconv -t UTF-16LE writes none), its line breaks give it away: "\n" is
+    # "\n\x00" or "\x00\n" in UTF-16, whatever the script, and a NUL never borders one in a UTF-8 corpus.
+    first_break = text.find(b"\n")
+    if first_break >= 0 and b"\x00" in text[max(first_break - 1, 0) : first_break + 2]:
+        raise CorpusError(
+            f"{path} has NUL bytes around its first line break: UTF-16 or UTF-32 text without a byte order "
+            "mark; corpus files must be UTF-8: convert it, e.g. iconv -f UTF-16LE -t UTF-8 FILE > FILE.utf8."
+        )
     lines = text.removeprefix(codecs.BOM_UTF8).split(b"\n")
     if lines[-1] == b"":
         lines.pop()

@@ -232,6 +232,16 @@ def test_a_utf16_or_utf32_file_is_an_error_not_nul_riddled_pairs(tmp_path, encod
         read_parallel_files(source, target, keep_every_line=True)
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le"])
+def test_a_utf16_or_utf32_file_without_a_byte_order_mark_is_an_error_too(tmp_path, encoding):
+    """`iconv -t UTF-16LE` writes no mark; both sides so converted have equal line counts and gave NUL-riddled pairs."""
+    source, target = tmp_path / "s.txt", tmp_path / "t.txt"
+    source.write_text("A dog.\nTwo cats.\n", encoding=encoding)
+    target.write_text("Ein Hund.\nZwei Katzen.\n", encoding=encoding)
+    with pytest.raises(CorpusError, match=re.escape(f"{source} has NUL bytes around its first line break")):
+        read_parallel_files(source, target)
+
+
 def test_clean_files_load_without_warning(tmp_path, caplog):
     paths = {}
     for split, lines in (("train", ("a b", "c d")), ("dev", ("e f",))):
