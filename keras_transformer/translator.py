@@ -394,8 +394,8 @@ def _checked_ranks(signature, *inputs):
     option failed deep in the search without naming it, and a `text` of rank 2 was
     translated flattened. Grappler folds what the declared shapes tell (a rank, a
     fixed shape), so each check compares what only the fed tensor tells: its size
-    with its shape's first dimension for a `[batch]` input (a `[batch, 1]` one passes, and
-    translates as `[batch]`), its rank for a scalar. An eager call of a reloaded signature
+    with its shape's first dimension for a `[batch]` input (a `[batch, 1]`, `[batch, 1, 1]`
+    or `[0, n]` one passes, and translates as `[batch]`), its rank for a scalar. An eager call of a reloaded signature
     folds the scalars' check too.
     """
     checks = []

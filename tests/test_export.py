@@ -375,6 +375,17 @@ def test_an_input_of_another_rank_than_its_signatures_is_refused_by_name(exporte
         run_as_tf_serving(exported[0], signature_name, inputs)
 
 
+def test_a_text_with_as_many_strings_as_rows_is_read_as_a_batch(exported, sentences):
+    """The rank check lets `[batch, 1]` (TF Serving's row format of one-element lists), `[batch, 1, 1]` and
+    `[0, n]` through, as the docs say: each must translate as the `[batch]` of its strings."""
+    as_vector = run_as_tf_serving(exported[0], "serving_default", {"text": sentences[:2]})
+    for text in ([[sentence] for sentence in sentences[:2]], [[[sentence]] for sentence in sentences[:2]]):
+        found = run_as_tf_serving(exported[0], "serving_default", {"text": text})
+        np.testing.assert_array_equal(found["translation"], as_vector["translation"])
+    empty = run_as_tf_serving(exported[0], "serving_default", {"text": np.zeros([0, 3], object)})
+    assert all(value.shape == (0,) for value in empty.values())
+
+
 @pytest.fixture(scope="module")
 def eos_first_translator(tiny_translation_run):
     """A translator whose model puts a large extra logit on EOS at the first step, so that
