@@ -57,8 +57,8 @@ class TensorInfo:
 
     @property
     def shape_words(self) -> str:
-        """Its shape as error messages say it: "a scalar", "a vector [batch]", "of rank 2"."""
-        return {0: "a scalar", 1: "a vector [batch]"}.get(len(self.shape), f"of rank {len(self.shape)}")
+        """Its shape as error messages say it (inputs are scalars or vectors)."""
+        return "a vector [batch]" if self.batched else "a scalar"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -148,8 +148,8 @@ class Translator(tf.Module):
         self._hold_untracked(model)
         # What a SavedModel's checkpoint holds: the TensorFlow variables the searches read.
         # Saved as a Keras model, each Keras variable would be restored into a copy of its own,
-        # and a loader that runs the checkpoint's restore op (TF Serving, `saved_model_cli run`)
-        # left the variables the signatures read uninitialized: "Could not find variable".
+        # and a loader that runs the checkpoint's restore op (TF Serving's) left the variables
+        # the signatures read uninitialized: "Could not find variable".
         self.model_variables = [variable.value for variable in model.variables]
         self.tokenizer = tokenizer
         self.decoding = decoding
@@ -393,10 +393,10 @@ def _checked_ranks(signature, *inputs):
     TF Serving feeds a request's tensors whatever their shape: a vector for a scalar
     option failed deep in the search without naming it, and a `text` of rank 2 was
     translated flattened. Grappler folds what the declared shapes tell (a rank, a
-    fixed shape), so each check compares what only the fed tensor tells: its size
-    with its shape's first dimension for a `[batch]` input (a `[batch, 1]`, `[batch, 1, 1]`
-    or `[0, n]` one passes, and translates as `[batch]`), its rank for a scalar. An eager call of a reloaded signature
-    folds the scalars' check too.
+    fixed shape), so each check compares what only the fed tensor tells: its size with
+    its shape's first dimension for a `[batch]` input (a `[batch, 1]`, `[batch, 1, 1]` or
+    `[0, n]` one passes, and translates as `[batch]`), its rank for a scalar. An eager
+    call of a reloaded signature folds the scalars' check too.
     """
     checks = []
     for tensor, value in zip(signature.inputs, inputs, strict=True):
