@@ -51,6 +51,8 @@ from typing import Iterator, Sequence
 import keras
 import tensorflow as tf
 
+from keras_transformer.tokenizer import clean_text
+
 logger = logging.getLogger(__name__)
 
 Pair = tuple[str, str]
@@ -106,9 +108,12 @@ class ParallelCorpus:
         This is the input for learning the shared vocabulary.
         """
         if isinstance(self.train, tf.data.Dataset):
-            for source, target in self.train.as_numpy_iterator():
-                yield source.decode("utf-8")
-                yield target.decode("utf-8")
+            # Cleaned as tokenization cleans them (text files are as they are read): a tab or
+            # line break would otherwise take vocabulary ids that no tokenized text uses.
+            cleaned = self.train.map(lambda source, target: (clean_text(source), clean_text(target)))
+            for source, target in cleaned.as_numpy_iterator():
+                yield source.decode("utf-8", errors="replace")
+                yield target.decode("utf-8", errors="replace")
         else:
             for source, target in self.train:
                 yield source

@@ -242,6 +242,17 @@ def test_a_utf16_or_utf32_file_without_a_byte_order_mark_is_an_error_too(tmp_pat
         read_parallel_files(source, target)
 
 
+def test_a_tfds_corpus_learns_its_vocabulary_from_text_cleaned_as_tokenization_cleans_it():
+    """Raw, a tab or line break took a vocabulary id that no tokenized text uses, and invalid UTF-8 raised."""
+    from keras_transformer.corpora import ParallelCorpus
+
+    train = tf.data.Dataset.from_tensor_slices(
+        ([b"\tA dog\nruns. ", b"A \xff cat."], [b"Ein Hund\trennt.\r", "\u00a0Eine Katze.".encode()])
+    )
+    corpus = ParallelCorpus("wmt14", "en", "de", train, [], [])
+    assert list(corpus.training_sentences()) == ["A dog runs.", "Ein Hund rennt.", "A \ufffd cat.", "Eine Katze."]
+
+
 def test_clean_files_load_without_warning(tmp_path, caplog):
     paths = {}
     for split, lines in (("train", ("a b", "c d")), ("dev", ("e f",))):
