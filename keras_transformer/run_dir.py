@@ -258,8 +258,10 @@ def checkpoint_step(path):
 def average_checkpoints(run_dir, last_n, every=1):
     """Writes the mean of the weights of the last `last_n` checkpoints to `RUN/averaged/`.
 
-    Only trainable weights are averaged; other variables (dropout seed states) come from
-    the newest checkpoint. The averaged checkpoint is numbered by the newest step. Before
+    Every weight of the model is trainable and averaged. The checkpoint holds the model
+    only: no optimizer state, step or dropout seed states (a training checkpoint keeps
+    those under `random_state`, which `tf.train.Checkpoint(model=...)` does not reach).
+    The averaged checkpoint is numbered by the newest step. Before
     the newest, only checkpoints of the schedule count: one saved between two of them (an
     interruption the run resumed from) would weigh their stretch of training twice.
 
@@ -286,7 +288,7 @@ def average_checkpoints(run_dir, last_n, every=1):
     model = build_model(run_dir)
     checkpoint = tf.train.Checkpoint(model=model)
     totals = None
-    for path in chosen:  # Oldest first: the non-averaged variables end up from the newest.
+    for path in chosen:
         restore_checkpoint(checkpoint, path)
         values = [variable.numpy().astype("float64") for variable in model.trainable_variables]
         totals = values if totals is None else [total + value for total, value in zip(totals, values)]
