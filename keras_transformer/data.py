@@ -208,13 +208,10 @@ def encode_pairs(
         if long_sentences == "truncate":
             source_tokens = source_tokens[:, :longest_text]
             target_tokens = target_tokens[:, :longest_text]
-        source_lengths = source_tokens.row_lengths()
-        target_lengths = target_tokens.row_lengths()
         keep = (
-            (source_lengths > 0)
-            & (target_lengths > 0)
-            & (source_lengths <= longest_text)
-            & (target_lengths <= longest_text)
+            (source_tokens.row_lengths() > 0)
+            & (target_tokens.row_lengths() > 0)
+            & ~_side_too_long(source_tokens, target_tokens, max_length)
         )
         source_tokens = tf.ragged.boolean_mask(source_tokens, keep)
         target_tokens = tf.ragged.boolean_mask(target_tokens, keep)
@@ -245,16 +242,19 @@ def count_long_pairs(
     for its EOS or BOS. Reads `pairs` once, tokenizing them in chunks.
     """
     _check_room(max_length)
-    longest_text = max_length - 1
 
     def count_chunk(sources, targets):
-        too_long = (tokenizer.tokenize(sources).row_lengths() > longest_text) | (
-            tokenizer.tokenize(targets).row_lengths() > longest_text
-        )
+        too_long = _side_too_long(tokenizer.tokenize(sources), tokenizer.tokenize(targets), max_length)
         return tf.reduce_sum(tf.cast(too_long, tf.int64))
 
     chunks = _string_pairs(pairs).batch(_TOKENIZE_CHUNK).map(count_chunk, num_parallel_calls=tf.data.AUTOTUNE)
     return int(chunks.reduce(tf.constant(0, tf.int64), lambda total, count: total + count))
+
+
+def _side_too_long(source_tokens, target_tokens, max_length):
+    """Which rows of ragged `[pairs, (tokens)]` have a side with no room left in `max_length` for its EOS or BOS."""
+    longest_text = max_length - 1
+    return (source_tokens.row_lengths() > longest_text) | (target_tokens.row_lengths() > longest_text)
 
 
 def shard_pairs(strings: tf.data.Dataset, num_shards: int, index: int) -> tf.data.Dataset:
