@@ -84,6 +84,9 @@ from keras_transformer.schedule import DEFAULT_WARMUP_STEPS, TransformerSchedule
 
 logger = logging.getLogger(__name__)
 
+# Checkpoint keys that only a loss-scaled (float16) optimizer writes.
+LOSS_SCALE_PREFIX = "optimizer/dynamic_scale/"
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig:
@@ -276,6 +279,7 @@ class Trainer:
             try:
                 restore_checkpoint(self.checkpoint, found[-1], partial=False)
             except RunDirError as error:
+                self._raise_if_saved_in_another_precision(found[-1])
                 if len(found) > 1:
                     advice = f"If only this file is damaged, delete {found[-1]}.* to resume from {found[-2]}."
                 else:
@@ -284,6 +288,23 @@ class Trainer:
             self._saved_step = int(self.step.numpy())
             logger.info("Restored step %d from %s.", self._saved_step, found[-1])
         return int(self.step.numpy())
+
+    def _raise_if_saved_in_another_precision(self, path):
+        """A one-line error when `path` was saved with float16's loss scaling and this run has none, or the reverse.
+
+        The optimizers differ then (a `LossScaleOptimizer` wraps float16's), so the
+        restore fails on an optimizer variable, which reads as another architecture.
+        """
+        try:
+            saved_fp16 = any(name.startswith(LOSS_SCALE_PREFIX) for name, _ in tf.train.list_variables(path))
+        except Exception:  # A damaged file: the caller's message says so.
+            return
+        if saved_fp16 != (self.config.mixed_precision == "fp16"):
+            trained = "mixed_precision='fp16'" if saved_fp16 else "mixed_precision 'none' or 'bf16'"
+            raise RunDirError(
+                f"Cannot resume the run. Checkpoint {path} was saved with {trained}, and this run has "
+                f"mixed_precision={self.config.mixed_precision!r}: resume it in the precision it was trained in."
+            )
 
     def save(self):
         """Writes a checkpoint numbered by the current step; returns its path.

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from fake_runs import synthetic_pairs_dataset, training_losses
-from keras_transformer import distribution
+from keras_transformer import distribution, run_dir
 from keras_transformer.model import Transformer
 from keras_transformer.schedule import TransformerSchedule
 from keras_transformer.trainer import Trainer, TrainingConfig
@@ -64,3 +64,36 @@ def test_float16_steps_that_overflow_apply_no_update_and_the_logged_rate_follows
     schedule = TransformerSchedule(trainer.model.d_model, warmup_steps=20)
     assert rates[8] == pytest.approx(float(schedule(updates - 1)))
     assert rates[8] < float(schedule(7))  # the warm-up rate of step 8, which was not applied
+
+
+def _precision_trainer(run, mixed_precision, train_steps):
+    config = TrainingConfig(
+        train_steps=train_steps, warmup_steps=20, log_every=1, checkpoint_every=2, mixed_precision=mixed_precision
+    )
+    return Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+        run,
+        config,
+    )
+
+
+@pytest.mark.parametrize(
+    "trained, resumed, said",
+    [
+        ("fp16", "none", "was saved with mixed_precision='fp16', and this run has mixed_precision='none'"),
+        ("bf16", "fp16", "was saved with mixed_precision 'none' or 'bf16', and this run has mixed_precision='fp16'"),
+    ],
+)
+def test_a_run_resumed_in_another_precision_than_float16s_says_so(tmp_path, grappler_remapping, trained, resumed, said):
+    """Float16's optimizer scales the loss, so its checkpoints do not fit another precision's optimizer (or the
+    reverse): the error names the precisions, not "another architecture". bfloat16 and float32 runs share
+    an optimizer (float32 weights in both): one resumes the other, which the last line checks."""
+    run = tmp_path / "run"
+    _precision_trainer(run, trained, train_steps=2).fit(synthetic_pairs_dataset)
+    with pytest.raises(run_dir.RunDirError) as raised:
+        _precision_trainer(run, resumed, train_steps=4).restore()
+    message = str(raised.value)
+    assert said in message and "another architecture" not in message, message
+    assert message.endswith("resume it in the precision it was trained in."), message
+    assert _precision_trainer(run, "none" if trained == "bf16" else trained, train_steps=4).restore() == 2
