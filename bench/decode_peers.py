@@ -225,6 +225,16 @@ def third_party_modules() -> list[str]:
 # --------------------------------------------------------------------------- engines (in a child process)
 
 
+def full_batches(sentences: list[str], batch_sentences: int, batch_size: int) -> list[list[str]]:
+    """The first `batch_sentences` sentences (all of them if fewer) in batches of `batch_size`, full ones only.
+
+    Full batches only: in an XLA export a new batch size would time a compilation, and a
+    last short batch would be a request of another kind.
+    """
+    count = min(batch_sentences, len(sentences)) // batch_size * batch_size
+    return [sentences[i : i + batch_size] for i in range(0, count, batch_size)]
+
+
 def ctranslate2_options(args) -> dict:
     """`translate_batch`'s options but `max_decoding_length` (per batch: `decoding_limit`)."""
     return {
@@ -389,9 +399,7 @@ def run_engine(name: str, args, out: Path) -> None:
     record = {"engine": name, "kind": engine["kind"], **info, "rss_after_load_mb": rss_mb()}
     log(f"{name}: loaded in {info['load_s']:.2f} s, {record['rss_after_load_mb']:.0f} MiB resident")
 
-    # Full batches only: in an XLA export a new batch size would time a compilation.
-    chosen = sentences[: args.batch_sentences // args.batch_size * args.batch_size]
-    batches = [chosen[i : i + args.batch_size] for i in range(0, len(chosen), args.batch_size)]
+    batches = full_batches(sentences, args.batch_sentences, args.batch_size)
     singles = sentences[: args.latency_sentences]
 
     # 1. Batches of 32, first: the peak resident set is then theirs (with loading and warm-up).
@@ -661,7 +669,7 @@ def main(argv=None):
     }
     payload["sentences"] = {
         "source": f"Multi30k test_2016_flickr.{args.source_lang}, in file order",
-        "batched": args.batch_sentences // args.batch_size * args.batch_size,
+        "batched": sum(map(len, full_batches(sentences, args.batch_sentences, args.batch_size))),
         "single": min(args.latency_sentences, len(sentences)),
         "warmup": args.warmup,
         "every_timed_input_first": True,

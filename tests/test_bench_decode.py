@@ -117,3 +117,38 @@ def test_both_engines_decode_exactly_the_asked_tokens_in_the_per_step_benchmark(
             decode.ctranslate2_fixed_length_search(translator, source_pieces, length, beam_size=4),
         ):
             assert list(decoded_lengths(run())) == [length, length]
+
+
+def test_an_engine_times_full_batches_only_when_asked_for_more_sentences_than_the_test_set_has(
+    tmp_path, monkeypatch
+):
+    # --batch-sentences 1024 over Multi30k's 1,000 test sentences: 31 batches of 32 (992 sentences), not a
+    # 32nd batch of 8 timed with them.
+    import json
+
+    import decode_peers
+
+    sentences = [f"sentence {i}" for i in range(1000)]
+    monkeypatch.setattr(common, "load_sentences", lambda *args, **kwargs: sentences)
+    sizes = []
+
+    def open_fake(directory, compute_type, intra_threads, args):
+        def translate(texts):
+            sizes.append(len(texts))
+            return [text.upper() for text in texts]
+
+        return translate, {"load_s": 0.0}
+
+    monkeypatch.setattr(decode_peers, "open_ctranslate2", open_fake)
+    args = decode_peers.parse_args([
+        "--ctranslate2", str(tmp_path), "--engines", "ct2-float32-1t", "--batch-sentences", "1024",
+        "--latency-sentences", "2", "--thread-sentences", "2", "--threads", "1", "--warmup", "0",
+    ])
+    decode_peers.run_engine("ct2-float32-1t", args, tmp_path / "record.json")
+    record = json.loads((tmp_path / "record.json").read_text())
+
+    assert record["batched"]["sentences"] == 992 == len(record["translations"])
+    assert set(sizes[: sizes.index(1)]) == {32}  # the batches (untimed once, then timed), then single sentences
+    assert record["translations"] == [text.upper() for text in sentences[:992]]
+    batches = decode_peers.full_batches(sentences, 1024, 32)
+    assert sum(map(len, batches)) == 992 and {len(batch) for batch in batches} == {32}
