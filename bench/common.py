@@ -415,8 +415,10 @@ def resolve_version_dir(path: Path) -> Path:
 
 
 def latency_percentiles(seconds: list[float]) -> dict:
-    """p50, p95, p99, mean and max of request times, in ms."""
+    """p50, p95, p99, mean and max of request times, in ms (None of no request)."""
     ms = [s * 1e3 for s in seconds]
+    if not ms:
+        return {"requests": 0, **dict.fromkeys(("p50_ms", "p95_ms", "p99_ms", "mean_ms", "max_ms"))}
     return {
         "requests": len(ms),
         "p50_ms": percentile(ms, 50),
@@ -459,7 +461,11 @@ def time_batches(translate, batches: list[list[str]]) -> tuple[dict, list[str]]:
 
 
 def time_concurrent(translate, texts: list[str], threads: int) -> dict:
-    """`threads` client threads taking `texts` from one queue, one sentence per request: sentences/s, latency."""
+    """`threads` client threads taking `texts` from one queue, one sentence per request: sentences/s, latency.
+
+    Only the requests that returned a translation count (`sentences`, the rate, the latency); the
+    others are `failed`, with the first `errors`.
+    """
     import queue
     import threading
 
@@ -478,8 +484,10 @@ def time_concurrent(translate, texts: list[str], threads: int) -> dict:
             t0 = time.perf_counter()
             try:
                 translate([text])
-            except Exception as e:  # pragma: no cover - recorded, not raised
-                errors.append(repr(e)[:300])
+            except Exception as e:  # recorded, not raised; not a translated sentence
+                with lock:
+                    errors.append(repr(e)[:300])
+                continue
             with lock:
                 timings.append(time.perf_counter() - t0)
 
@@ -496,6 +504,7 @@ def time_concurrent(translate, texts: list[str], threads: int) -> dict:
         "seconds": seconds,
         "sentences_per_s": len(timings) / seconds,
         "latency": latency_percentiles(timings),
+        "failed": len(errors),
         "errors": errors[:5],
     }
 

@@ -407,7 +407,8 @@ def serving_section(payload):
         f"| 1 sentence/request: p50 / p95 latency | {fmt(s.get('p50_ms'), 1)} / {fmt(s.get('p95_ms'), 1)} ms |",
         f"| batches of {b.get('batch_size', 32)}: throughput | {fmt(b.get('sentences_per_s'), 1)} sentences/s |",
         f"| {c.get('threads', 8)} client threads, 1 sentence/request: throughput | "
-        f"{fmt(c.get('sentences_per_s'), 1)} sentences/s (p50 {fmt((c.get('latency') or {}).get('p50_ms'), 0)} ms) |",
+        f"{fmt(c.get('sentences_per_s'), 1)} sentences/s (p50 {fmt((c.get('latency') or {}).get('p50_ms'), 0)} ms)"
+        + (f" ⚠ {c['failed']} requests failed" if c.get("failed") else "") + " |",
         f"| SavedModel load time | {fmt(payload.get('load_s'), 1)} s |",
     ]
     t = payload.get("target_p50")
@@ -488,7 +489,8 @@ def decode_peers_section(payload):
             f"{engine_label(r)}{busy}",
             fmt(b["sentences_per_s"], 1),
             f"{fmt(s['p50_ms'], 1)} / {fmt(s['p95_ms'], 1)} / {fmt(s['mean_ms'], 1)}",
-            f"{fmt(c['sentences_per_s'], 1)} ({fmt(c['latency']['p50_ms'])} / {fmt(c['latency']['p95_ms'])})",
+            f"{fmt(c['sentences_per_s'], 1)} ({fmt(c['latency']['p50_ms'])} / {fmt(c['latency']['p95_ms'])})"
+            + (f" ⚠ {c['failed']} failed" if c.get("failed") else ""),
             f"{fmt(r.get('rss_after_load_mb'))} / {fmt(r.get('peak_rss_batched_mb'))}",
             same,
             "1" if is_base else ratio(b["sentences_per_s"], base_batched),

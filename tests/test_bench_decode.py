@@ -152,3 +152,23 @@ def test_an_engine_times_full_batches_only_when_asked_for_more_sentences_than_th
     assert record["translations"] == [text.upper() for text in sentences[:992]]
     batches = decode_peers.full_batches(sentences, 1024, 32)
     assert sum(map(len, batches)) == 992 and {len(batch) for batch in batches} == {32}
+
+
+def test_concurrent_clients_count_only_the_requests_that_were_translated():
+    # 10 requests, every third one fails at once: 6 sentences translated (each taking >= 20 ms), 4 failed.
+    import time
+
+    def translate(texts):
+        if int(texts[0]) % 3 == 0:
+            raise RuntimeError("no position encodings")
+        time.sleep(0.02)
+        return texts
+
+    record = common.time_concurrent(translate, [str(i) for i in range(10)], threads=2)
+
+    assert (record["sentences"], record["latency"]["requests"]) == (6, 6)
+    assert record["failed"] == 4
+    assert record["sentences_per_s"] == pytest.approx(6 / record["seconds"])
+    assert record["latency"]["p50_ms"] >= 20 and len(record["errors"]) == 4
+    nothing = common.time_concurrent(lambda texts: 1 / 0, ["a", "b"], threads=2)
+    assert (nothing["sentences"], nothing["failed"], nothing["latency"]["p50_ms"]) == (0, 2, None)
