@@ -332,7 +332,9 @@ def check_export(directory, model, tokenizer, sentences):
     Each non-blank sentence is translated by CTranslate2 (greedy, up to source length +
     50 tokens), and the token log-probabilities CTranslate2 gives that translation must
     be `model`'s within `CHECK_TOLERANCE`: a weight, position or special token mapped
-    wrongly changes them.
+    wrongly changes them. Sources and translations stay within the position table
+    (`model.max_positions`, the EOS scored after a translation included), as `Translator`
+    and `beam_search` keep a model with learned positions.
 
     Args:
         directory: The CTranslate2 model directory.
@@ -349,9 +351,13 @@ def check_export(directory, model, tokenizer, sentences):
     translator = _ctranslate2().Translator(str(directory), device="cpu")
     pieces = vocabulary_pieces(tokenizer.model_proto)
     yield f"CTranslate2 loads {directory}"
-    sources = [ids for ids in tokenize_sources(tokenizer, sentences) if len(ids) > 1]
+    max_source_length = min(DEFAULT_MAX_SOURCE_LENGTH, model.max_positions)
+    sources = [ids for ids in tokenize_sources(tokenizer, sentences, max_source_length) if len(ids) > 1]
     greedy = DecodingSettings(beam_size=1, alpha=0.0)
-    targets = [ids for ids, _ in translate_ids(translator, sources, pieces, greedy)]
+    # One position left for the EOS scored after a translation that ran to the limit.
+    targets = [
+        ids for ids, _ in translate_ids(translator, sources, pieces, greedy, max_output_length=model.max_positions - 1)
+    ]
     theirs = score_ids(translator, sources, targets, pieces)
     ours = our_log_probs(model, sources, targets)
     for i, (their_row, our_row) in enumerate(zip(theirs, ours, strict=True)):

@@ -246,3 +246,25 @@ def test_ctranslate2_searches_as_our_beam_search_with_alpha_0(exported_dir, tiny
     print(f"{same:.1%} of {len(sources)} translations are the same")
     assert same >= SAME_AT_LEAST
     assert all(ours_better)  # a difference is CTranslate2's search missing a better translation
+
+
+def test_the_check_keeps_sources_and_translations_within_learned_positions(multi30k_tokenizer, tmp_path):
+    # A random model writes until its limit; with 40 learned positions CTranslate2 refused position 40
+    # ("No position encodings are defined for positions >= 40"), where beam_search stops at the table.
+    model = Transformer(
+        multi30k_tokenizer.vocab_size, num_layers=1, d_model=32, num_heads=4, d_ff=64, dropout_rate=0.0,
+        learned_positions=True, max_positions=40,
+    )
+    model.build()
+    rng = np.random.default_rng(0)
+    for weight in model.weights:
+        weight.assign(weight.numpy() + rng.normal(0.0, 0.2, weight.shape).astype(weight.dtype))
+    pieces = ctranslate2_export.vocabulary_pieces(multi30k_tokenizer.model_proto)
+    ctranslate2_export.export_model(model, pieces, tmp_path)
+    long_sentence = " ".join(["A man in a blue shirt is standing on a ladder."] * 6)  # over 40 pieces
+
+    checks = list(ctranslate2_export.check_export(
+        tmp_path, model, multi30k_tokenizer, list(ctranslate2_export.CHECK_SENTENCES) + [long_sentence]
+    ))
+
+    assert checks[-1].startswith("CTranslate2 translates 4 sentences and scores their tokens as the in-process model")
