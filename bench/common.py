@@ -415,7 +415,7 @@ def resolve_version_dir(path: Path) -> Path:
 
 
 def latency_percentiles(seconds: list[float]) -> dict:
-    """p50, p95, p99, mean and max of request times, in ms (None of no request)."""
+    """p50, p95, p99, mean and max of request times, in ms (None if no request)."""
     ms = [s * 1e3 for s in seconds]
     if not ms:
         return {"requests": 0, **dict.fromkeys(("p50_ms", "p95_ms", "p99_ms", "mean_ms", "max_ms"))}

@@ -61,9 +61,11 @@ Measured per engine, on the Multi30k test sources (English, in file order):
   (`--thread-sentences` in all), with their latency percentiles.
 
 With `--rounds N` the engines are measured in turn N times (a process each time) and each
-timing is the median of its N rounds (the peak memory the highest; `"rounds"` in an
-engine's record keeps them all): these shared VMs drift by 10-30% within minutes, which
-would otherwise land on whichever engine ran then.
+figure the tables show (`MEDIAN_FIELDS`: sentences/s, p50, p95 and mean) is the median of
+its N rounds (the peak memory the highest; `"rounds"` in an engine's record keeps them
+all): these shared VMs drift by 10-30% within minutes, which would otherwise land on
+whichever engine ran then. The record's other figures (seconds, p99, max, the memory
+after loading) are its first complete round's.
 
 Hygiene: the script waits for a quiet machine first (`--max-load`, as the other scripts),
 then, before each engine, until other processes keep at most 0.3 cores busy (read from
