@@ -404,10 +404,13 @@ class Validator:
     def write_attention_images(self, model, step):
         """An image per example and decoder layer: the heatmap of `attention_plot`, mean over heads.
 
-        The translations are the beam search's, as BLEU's; the images are tagged
+        The translations are the beam search's of sources cut at `max_length`, as BLEU's; the images are tagged
         `attention/example_E/decoder_layer_L`.
         """
-        source_ids = next(iter(data.make_translation_dataset(self.attention_sources, self.tokenizer)))
+        sources = data.make_translation_dataset(
+            self.attention_sources, self.tokenizer, max_source_length=self.max_length
+        )
+        source_ids = next(iter(sources))
         output_ids = beam_search(model, source_ids, self.decoding).tokens
         for example, attention in enumerate(translation_attention(model, self.tokenizer, source_ids, output_ids)):
             description = (

@@ -137,6 +137,31 @@ def test_validation_writes_readable_attention_images_to_tensorboard(run_model, v
         assert shape[:2] == (height, width)
 
 
+def test_attention_images_read_the_source_cut_as_validation_translates_it(run_model, validation_pairs, tmp_path):
+    """The images show the translations BLEU scores: sources cut at the `Validator`'s `max_length`."""
+    model, tokenizer = run_model
+    max_length = 4
+    validator = evaluation.Validator(
+        validation_pairs, tokenizer, bleu_sentences=0, attention_examples=1, max_length=max_length
+    )
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default(step=7):
+        validator.write_attention_images(model, step=7)
+    writer.flush()
+
+    descriptions = [
+        value.metadata.summary_description
+        for path in tmp_path.glob("events.*")
+        for event in tf.compat.v1.train.summary_iterator(str(path))
+        for value in event.summary.value
+    ]
+    source = validation_pairs[0][0]
+    cut = next(iter(data.make_translation_dataset([source], tokenizer, max_source_length=max_length)))[0]
+    pieces = " ".join(piece.decode() for piece in tokenizer.id_to_piece(cut).numpy())
+    assert len(tokenizer.tokenize([source])[0]) > max_length  # It is cut.
+    assert descriptions and all(text.endswith(f"columns: source `{pieces}`") for text in descriptions), descriptions
+
+
 def test_translate_draws_the_attention_of_its_translation(tiny_translation_run, tmp_path, capsys):
     sentence = "A dog runs on the grass."
     picture = tmp_path / "attention.png"
