@@ -132,8 +132,8 @@ def beam_search(
             values known only as tensors (a served request's options, see
             `Translator.translate_with_options`): int32/float32 scalars, or Python
             values (checked as `DecodingSettings` checks them). `None` keeps
-            `decoding`'s. A tensor beam size makes the beams' shapes dynamic (graph
-            mode, not XLA).
+            `decoding`'s. A tensor beam size whose value is known only when run makes
+            the beams' shapes dynamic (graph mode, not XLA).
 
     Returns:
         `Hypotheses(tokens, lengths, scores)`: with `n_best=None`, `tokens` int32

@@ -55,7 +55,7 @@ Design (after TF Model Garden's `official/nlp/modeling/ops/beam_search.py`):
 * Shapes are fixed inside the loop: sequences live in a `[batch, beam, max_decode_length + 1]`
   buffer and the model's self-attention cache has a fixed size written in place, so
   the cached search runs under `tf.function(jit_compile=True)` (as long as `beam_size`
-  is a Python int). The cache still grows with the output: the search runs as a few
+  is a Python int or a constant). The cache still grows with the output: the search runs as a few
   loops, one per cache size (e.g. 16, 32, 64 positions, then the whole buffer), and grows
   the cache between them, so that the per-step reorder and attention work on a buffer
   close to the output's length; under XLA, once every row is done, the larger sizes
@@ -233,8 +233,9 @@ def search(
         max_decode_length: Most tokens any row may generate (the buffer length);
             int or int32 scalar.
         eos_id: The end-of-sequence id.
-        beam_size: Beams per row, int or int32 scalar (`>= 1`). With a tensor, shapes
-            become dynamic (fine in graph mode, not under XLA).
+        beam_size: Beams per row, int or int32 scalar (`>= 1`). With a tensor whose
+            value is known only when run, shapes become dynamic (fine in graph mode,
+            not under XLA); a constant one is read as its value.
         alpha: Length penalty strength, float or float32 scalar.
         row_max_lengths: int32 `[batch]`, most tokens each row may generate (at most
             `max_decode_length`); defaults to `max_decode_length` for every row. A
@@ -278,6 +279,7 @@ def search(
     if row_max_lengths is None:
         row_max_lengths = tf.fill([batch_size], max_decode_length)
     row_max_lengths = tf.cast(row_max_lengths, tf.int32)
+    beam_size, n_best = _known_int(beam_size), _known_int(n_best)
     if isinstance(beam_size, int) and isinstance(n_best, int) and not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be between 1 and beam_size ({beam_size}), got {n_best}.")
     check_early_stopping(early_stopping)
@@ -484,6 +486,19 @@ def _blocked_ids(vocab_size, never_emit_ids, eos_id, too_early):
     if too_early is not False:
         blocked.append(tf.logical_and(tf.equal(ids, eos_id), too_early))
     return tf.reduce_any(tf.stack(blocked), axis=0) if blocked else None
+
+
+def _known_int(value):
+    """`value` as a Python int when it is a tensor whose value is known when tracing (a constant), else as it is.
+
+    A graph's constant beam size made the first beams' shape static (the start of the
+    search's loops) and their later shape not: the loop refused to run.
+    """
+    if isinstance(value, tf.Tensor):
+        known = tf.get_static_value(value)
+        if known is not None:
+            return int(known)
+    return value
 
 
 def _num_candidates(beam_size):

@@ -483,6 +483,34 @@ def test_beam_size_as_a_tensor_gives_the_same_hypotheses():
             np.testing.assert_array_equal(getattr(found, name), getattr(expected, name))
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_constant_beam_size_made_in_the_graph_searches_as_its_value(jit_compile):
+    # Its value is known when tracing: the first beams' shape was static and the loop's
+    # next one not, and the loop refused to run (a ValueError about shape invariants).
+    tables = make_tables(seed=2)
+    rows = len(tables)
+
+    @tf.function(jit_compile=jit_compile, autograph=False)
+    def run(beam_size, n_best):
+        return decoding.search(
+            make_scorer(tables), tf.fill([rows], START),
+            {"hash": tf.zeros([rows], tf.int32), "row": tf.range(rows)}, MAX_STEPS,
+            eos_id=EOS, beam_size=tf.constant(beam_size), alpha=0.6,
+            row_max_lengths=tf.constant(ROW_MAX_LENGTHS), n_best=tf.constant(n_best),
+        )
+
+    exact = tf.nest.map_structure(np.asarray, run(EXACT_BEAM, 10))
+    greedy_result = tf.nest.map_structure(np.asarray, run(1, 1))
+    for row, max_length in enumerate(ROW_MAX_LENGTHS):
+        expected = all_hypotheses(tables[row], max_length, 0.6)[:10]
+        found = as_hypotheses(exact, row)[: len(expected)]
+        assert [tokens for _, tokens in found] == [tokens for _, tokens in expected], row
+        np.testing.assert_allclose([s for s, _ in found], [s for s, _ in expected], rtol=1e-5, atol=1e-5)
+        score, tokens = greedy(tables[row], max_length, 0.6)
+        assert as_hypotheses(greedy_result, row)[0][1] == tokens, row
+        np.testing.assert_allclose(greedy_result.scores[row, 0], score, rtol=1e-5, atol=1e-5)
+
+
 def test_xla_compiled_search_gives_the_same_hypotheses():
     tables = make_tables(seed=3)
     for beam_size in (1, 4):
