@@ -15,7 +15,9 @@ The options follow one rule: a value below the option's `smallest` is unset and 
 the model's own setting (what `serving_default` uses); clients send `unset` (0 or -1)
 for it. For `max_length` the model's own is no cap beyond the source length +
 `max_extra_length`. A `beam_size` over `MAX_BEAM_SIZE` is refused (INVALID_ARGUMENT,
-"beam_size is at most 16"), not clipped, and so is an input of another rank than
+"beam_size is at most 16"), not clipped, and so are an `alpha` over `MAX_ALPHA`
+("alpha is at most 10", which `DecodingSettings` and the command lines refuse too) and
+an input of another rank than
 its shape here (INVALID_ARGUMENT, "min_length must be a scalar, got the shape] [2]"),
 except a `text` with as many strings as rows (`[batch, 1]`, `[batch, 1, 1]`, `[0, n]`),
 which is read as `[batch]`.
@@ -28,7 +30,7 @@ does not.
 
 import dataclasses
 
-from keras_transformer.decoding_settings import MAX_BEAM_SIZE
+from keras_transformer.decoding_settings import MAX_ALPHA, MAX_BEAM_SIZE
 
 SERVING_SIGNATURE = "serving_default"
 OPTIONS_SIGNATURE = "translate_with_options"
@@ -128,7 +130,9 @@ BEAM_SIZE = Option(
     "beam_size", "int32", (), f"beams, and hypotheses returned per sentence, at most {MAX_BEAM_SIZE}",
     smallest=1, unset=0,
 )
-ALPHA = Option("alpha", "float32", (), "the length penalty's strength", smallest=0.0, unset=-1.0)
+ALPHA = Option(
+    "alpha", "float32", (), f"the length penalty's strength, at most {MAX_ALPHA:g}", smallest=0.0, unset=-1.0
+)
 MAX_LENGTH = Option(
     "max_length", "int32", (),
     "most output tokens (EOS included), on top of the source length + max_extra_length "

@@ -63,6 +63,7 @@ from keras_transformer.decoding import (
     Hypotheses,
     beam_search,
 )
+from keras_transformer.decoding_settings import MAX_ALPHA
 from keras_transformer.signatures import OPTIONS_SIGNATURE, SERVING_SIGNATURE
 from keras_transformer.tokenizer import EOS_ID, PAD_ID, SubwordTokenizer
 
@@ -277,8 +278,9 @@ class Translator(tf.Module):
             beam_size: int32 scalar, at most `MAX_BEAM_SIZE` (more is an
                 InvalidArgumentError); 0 or less for `translate`'s own. Also the number
                 of hypotheses returned per sentence.
-            alpha: float32 scalar, the length penalty; negative for `translate`'s own.
-                NaN or infinity is an InvalidArgumentError.
+            alpha: float32 scalar, the length penalty, at most `MAX_ALPHA` (more is
+                an InvalidArgumentError); negative for `translate`'s own. NaN or
+                infinity is an InvalidArgumentError.
             max_length: int32 scalar, the output cap (`beam_search`'s
                 `max_output_length`: most output tokens, EOS included, on top of the
                 source length + `max_extra_length` limit); 0 or less for no extra cap.
@@ -303,6 +305,11 @@ class Translator(tf.Module):
             tf.debugging.assert_less_equal(beam_size, MAX_BEAM_SIZE, message=f"beam_size is at most {MAX_BEAM_SIZE}"),
             # NaN is below no bound, so the unset rule would quietly read it as unset.
             tf.debugging.Assert(tf.math.is_finite(alpha), ["alpha must be a finite number"]),
+            # A larger one overflows the length penalty to infinity: every long output scores -0.
+            # (Infinity is told by the check above.)
+            tf.debugging.Assert(
+                (alpha <= MAX_ALPHA) | ~tf.math.is_finite(alpha), [f"alpha is at most {MAX_ALPHA:g}, got", alpha]
+            ),
         ]
         with tf.control_dependencies(allowed):  # Before any decoding.
             beam_size = tf.identity(beam_size)

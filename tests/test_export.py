@@ -568,6 +568,21 @@ def test_a_beam_over_the_limit_is_refused_and_other_options_out_of_range_are_uns
     assert greedy["translations"].shape == (2, 1)
 
 
+def test_an_alpha_over_the_limit_is_refused_not_overflowed(translator, sentences):
+    # What DecodingSettings and the command lines refuse: a larger alpha overflows the
+    # length penalty of longer outputs, ((5 + 45) / 6) ** 50 > float32's largest, and
+    # every such output would score -0, the best score, whatever its log-probability.
+    assert np.isinf(np.float32(((5 + 45) / 6) ** 50))
+    signature = translator.translate_with_options
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"alpha is at most 10"):
+        translate(signature, sentences[:2], beam_size=2, alpha=50.0, max_length=0)
+    at_the_limit = translate(signature, sentences[:2], beam_size=2, alpha=10.0, max_length=0)
+    assert np.isfinite(at_the_limit["scores"]).all() and (at_the_limit["scores"] < 0).all()
+    for alpha in (float("nan"), float("inf")):  # still told as not finite
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"alpha must be a finite number"):
+            translate(signature, sentences[:2], beam_size=2, alpha=alpha, max_length=0)
+
+
 def test_the_exports_early_stop_is_saved_and_searches_both_signatures(
     served_beam_2, tiny_translation_run, sentences, monkeypatch, capsys
 ):
