@@ -146,7 +146,9 @@ def beam_search(
 
     Raises:
         ValueError: For sources longer than learned positional encodings cover, and
-            options out of range.
+            options out of range. A source length known only when run (inside a
+            `tf.function`) is checked then, in graph mode: an InvalidArgumentError;
+            under XLA it is not checked.
         TypeError: If `decoding` is not a `DecodingSettings`.
     """
     if not isinstance(decoding, DecodingSettings):
@@ -196,6 +198,23 @@ def _check_source_length(model, source_ids):
         )
 
 
+def _checked_source_length_when_run(model, source_ids):
+    """`source_ids`, after a run-time check of a length unknown when tracing (`_check_source_length`).
+
+    Graph mode only: XLA ignores the check (its lookup then reads the last position).
+    """
+    if not model.learned_positions or source_ids.shape[1] is not None:
+        return source_ids
+    length = tf.shape(source_ids)[1]
+    check = tf.debugging.Assert(
+        length <= model.max_positions,
+        ["source_ids are", length, f"tokens long, but the model's learned positional encodings cover "
+         f"{model.max_positions}: cut the sources to that length (as Translator does)."],
+    )
+    with tf.control_dependencies([check]):
+        return tf.identity(source_ids)
+
+
 def _search_transformer(
     model,
     source_ids,
@@ -212,7 +231,7 @@ def _search_transformer(
     min_length,
     output_kernel=None,
 ):
-    source_ids = tf.cast(source_ids, tf.int32)
+    source_ids = _checked_source_length_when_run(model, tf.cast(source_ids, tf.int32))
     encoder_outputs, source_mask = model.encode(source_ids, training=False)
     source_lengths = tf.reduce_sum(tf.cast(source_mask, tf.int32), axis=1)
     buffer_length = tf.shape(source_ids)[1] + max_extra_length

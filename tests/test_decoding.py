@@ -314,6 +314,30 @@ def test_a_source_longer_than_learned_positions_is_an_error_not_a_silent_clamp(j
     assert decoding.beam_search(model, source[:, 4:], jit_compile=jit_compile).tokens.shape[0] == 1
 
 
+def test_a_source_longer_than_learned_positions_known_only_when_run_is_an_error_that_says_so():
+    """In a `tf.function` of any source length, graph mode checks the length when run (the encoder's
+    lookup failed with "indices[8] = 8 is not in [0, 8)"); XLA, which cannot, still compiles and runs."""
+    from keras_transformer import Transformer
+
+    model = Transformer.from_preset("tiny", vocab_size=30, learned_positions=True, max_positions=8)
+    model.build()
+    source = np.full((1, 12), 5, "int32")
+    source[:, -1] = EOS_ID
+    any_length = [tf.TensorSpec([None, None], tf.int32)]
+    searches = {
+        jit_compile: tf.function(
+            lambda ids: decoding.beam_search(model, ids), input_signature=any_length, jit_compile=jit_compile
+        )
+        for jit_compile in (False, True)
+    }
+    told = r"\[12\] \[tokens long, .* learned positional encodings cover 8"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=told):
+        searches[False](source)
+    expected = decoding.beam_search(model, source[:, 4:])
+    for search in searches.values():
+        np.testing.assert_array_equal(search(source[:, 4:]).tokens, expected.tokens)
+
+
 # ---------------------------------------------------------------------------
 # DecodingSettings: how decoding settings travel
 # ---------------------------------------------------------------------------
