@@ -17,10 +17,9 @@ for it. For `max_length` the model's own is no cap beyond the source length +
 `max_extra_length`. A `beam_size` over `MAX_BEAM_SIZE` is refused (INVALID_ARGUMENT,
 "beam_size is at most 16"), not clipped, and so are an `alpha` over `MAX_ALPHA`
 ("alpha is at most 10", which `DecodingSettings` and the command lines refuse too) and
-an input of another rank than
-its shape here (INVALID_ARGUMENT, "min_length must be a scalar, got the shape] [2]"),
-except a `text` with as many strings as rows (`[batch, 1]`, `[batch, 1, 1]`, `[0, n]`),
-which is read as `[batch]`.
+an input of another rank than its shape here (INVALID_ARGUMENT, "min_length must be a
+scalar, got the shape] [2]"), except a `text` with as many strings as rows (`[batch, 1]`,
+`[batch, 1, 1]`, `[0, n]`), which is read as `[batch]`.
 
 `SIGNATURES` is read by `Translator` (its input specs and the unset rule), by the
 export's self-check, by the REST and gRPC clients (`keras_transformer.serving_client`)
