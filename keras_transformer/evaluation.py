@@ -40,7 +40,7 @@ import tensorflow as tf
 from keras_transformer import attention_plot, data, run_dir
 from keras_transformer.decoding import DecodingSettings, beam_search
 from keras_transformer.losses import label_smoothed_cross_entropy, token_accuracy
-from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, clean_text
 
 logger = logging.getLogger(__name__)
 
@@ -207,15 +207,21 @@ def translate(
         sources: Source sentences.
         decoding: The `DecodingSettings` of the search.
         batch_size: Sentences decoded together.
-        max_source_length: Longest source in tokens, EOS included; longer ones are cut.
+        max_source_length: Longest source in tokens, EOS included; longer ones are cut
+            (and at `model.max_positions` for learned positional encodings, as
+            `Translator` cuts them).
         on_batch: Optional `(translated, total)` callback after each batch, for
             progress output: sentences translated so far, and `len(sources)`.
 
     Returns:
-        The translations, detokenized text; "" for an empty or blank source.
+        The translations, detokenized text; "" for a source that tokenization's cleaning
+        leaves empty (`tokenizer.clean_text`).
     """
-    # Empty sources translate to "", as the exported translator's do: the model is not asked to make one up.
-    order = sorted((i for i in range(len(sources)) if sources[i].strip()), key=lambda i: len(sources[i]))
+    if model.learned_positions:
+        max_source_length = min(max_source_length, model.max_positions)
+    # Blank sources translate to "", as the exported translator's do: the model is not asked to make one up.
+    blank = [not text for text in clean_text(list(sources)).numpy()] if sources else []
+    order = sorted((i for i in range(len(sources)) if not blank[i]), key=lambda i: len(sources[i]))
     by_length = [sources[i] for i in order]
     empty = len(sources) - len(order)
     outputs = []

@@ -213,3 +213,20 @@ def test_bleu_decides_whether_the_average_is_kept_and_chrf_is_logged_next_to_it(
         f"Validation BLEU (4 sentences): averaged {averaged.bleu.score:.2f}, latest {latest.bleu.score:.2f} "
         f"(chrF {averaged.chrf.score:.2f}, {latest.chrf.score:.2f})."
     )
+
+
+def test_translate_reads_blank_and_long_sources_as_the_exported_translator_does(multi30k_tokenizer):
+    """A line that tokenization's cleaning leaves empty (a byte order mark, a tab) translates to "", not a
+    made-up sentence; a learned-positions model gets sources cut to its positions, not a ValueError."""
+    from keras_transformer.translator import Translator
+
+    model = Transformer.from_preset(
+        "tiny", vocab_size=multi30k_tokenizer.vocab_size, learned_positions=True, max_positions=8
+    )
+    model.build()
+    decoding = DecodingSettings(beam_size=2)
+    sources = ["\ufeff", "a man", "\t", "two dogs run on the grass in front of a big white house ."]
+    translator = Translator(model, multi30k_tokenizer, decoding=decoding)
+    expected = [text.decode() for text in translator.translate(tf.constant(sources))["translation"].numpy()]
+    assert expected[0] == expected[2] == ""
+    assert evaluation.translate(model, multi30k_tokenizer, sources, decoding=decoding, batch_size=1) == expected
