@@ -111,8 +111,8 @@ def beam_search(
             minimum length and early stop.
         max_output_length: Optional cap on generated tokens (EOS included) for all
             rows, on top of their source length + `decoding.max_extra_length`; int or
-            int32 scalar. With learned positional encodings, outputs are also capped at
-            `model.max_positions`.
+            int32 scalar, at least 1 (a value known only when run is not checked). With
+            learned positional encodings, outputs are also capped at `model.max_positions`.
         n_best: Hypotheses to return per row (`<= beam_size`); `None` returns only
             the best, without the `n_best` axis.
         use_cache: Feed only the newest token each step, reusing cached keys and
@@ -163,6 +163,7 @@ def beam_search(
     if output_kernel is not None:
         _check_output_kernel(model, output_kernel)
     _check_source_length(model, source_ids)
+    _check_max_output_length(max_output_length)
     if tf.executing_eagerly():
         overrides = {name: _python_option(name, value) for name, value in overrides.items()}
         options = {name: _python_option(name, value) for name, value in options.items()}
@@ -186,6 +187,15 @@ def _search_settings(decoding, overrides):
     tensors = {name: value for name, value in given.items() if isinstance(value, tf.Tensor)}
     python = {name: value for name, value in given.items() if name not in tensors}
     return {**dataclasses.asdict(decoding.replace(**python)), **tensors}
+
+
+def _check_max_output_length(max_output_length):
+    """A Python cap below 1 would still let every row generate one token: refused (None is no cap)."""
+    value = max_output_length
+    if isinstance(value, tf.Tensor) and tf.executing_eagerly() and value.shape.rank == 0:
+        value = value.numpy().item()
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"max_output_length must be at least 1 (None: no cap), got {value}.")
 
 
 def _check_source_length(model, source_ids):

@@ -288,6 +288,15 @@ def test_eager_tensor_options_act_as_their_values(trained_model, source_ids):
         decoding.beam_search(trained_model, source_ids[:2], max_output_length=tf.constant([5, 6]))
 
 
+@pytest.mark.parametrize("cap", [0, -3, "tensor 0"])
+def test_an_output_cap_below_one_token_is_refused(trained_model, source_ids, cap):
+    """Every row still generated one token (the first step's), whatever the cap below 1."""
+    value = tf.constant(0) if cap == "tensor 0" else cap
+    with pytest.raises(ValueError, match=rf"max_output_length must be at least 1 \(None: no cap\), got {int(value)}\."):
+        decoding.beam_search(trained_model, source_ids[:2], max_output_length=value)
+    assert set(decode(trained_model, source_ids[:2], max_output_length=1).lengths) == {1}
+
+
 def test_learned_positions_cap_the_output_length():
     from keras_transformer import Transformer
 
