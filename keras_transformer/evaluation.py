@@ -13,7 +13,8 @@ and `nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.6.0`. For the test 
 lowercased BLEU, the figure nearest published Multi30k results.
 
 Validation during training (`Validator`) computes the loss, perplexity and token
-accuracy on the whole validation split (teacher forcing), and BLEU and chrF on its first
+accuracy on the whole validation split (teacher forcing; pairs longer than the training
+length cap left out, as training leaves them out by default), and BLEU and chrF on its first
 `bleu_sentences` sentences only: decoding is the expensive part, and a fixed subset keeps
 the curve comparable from one validation to the next. It also writes, for a few
 validation sentences, the encoder-decoder attention of every decoder layer (mean over
@@ -325,7 +326,8 @@ class Validator:
             attention images.
         token_budget: Token budget of the loss batches.
         max_length: Longest sequence, as in training (the training length cap): the
-            loss batches' and the translated sources' (`translate`'s `max_source_length`).
+            loss batches' (longer pairs are left out of the loss) and the translated
+            sources' (`translate`'s `max_source_length`).
         attention_examples: Sentences whose attention is written as images.
         target_lang: Target language code for sacrebleu.
 
