@@ -99,7 +99,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--max-length",
         type=int,
-        help=f"Output cap: most output tokens (default: source length + {defaults.max_extra_length}).",
+        help=f"Output cap: most output tokens, EOS included (default: source length + the export's "
+        f"--max-extra-length, else {defaults.max_extra_length}).",
     )
     parser.add_argument(
         "--min-length",
