@@ -138,13 +138,21 @@ def check_checkpointable(model):
         )
 
 
+def saved_architecture(config):
+    """The `Transformer` arguments of config.json's model section, or None if it holds no architecture yet.
+
+    A run writes its settings first (the model section then holds only dropout_rate and
+    attention_init; earlier versions wrote none), the architecture once the model is built.
+    """
+    model = config.get("model")
+    return model if isinstance(model, dict) and "d_model" in model else None
+
+
 def build_model(run_dir, dtype=None):
     """A `Transformer` with the architecture of `run_dir`, built, with fresh weights."""
-    config = read_config(run_dir)
-    if not isinstance(config.get("model"), dict):
-        # A run writes its data and training settings first, the model once it is built.
-        raise RunDirError(f"{run_dir} holds no trained model yet: its {CONFIG_FILE} has no model section.")
-    kwargs = config["model"]
+    kwargs = saved_architecture(read_config(run_dir))
+    if kwargs is None:
+        raise RunDirError(f"{run_dir} holds no trained model yet: its {CONFIG_FILE} has no architecture.")
     if dtype is not None:
         kwargs = {**kwargs, "dtype": dtype}
     model = Transformer(**kwargs)

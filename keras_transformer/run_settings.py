@@ -13,8 +13,8 @@ vocabulary size and length cap), then the field's default. `resolve` does that a
 check that needs no data, so that a bad command fails before anything is trained or written.
 
 config.json is `{"data": {...}, "train": {...}, "model": {...}}`: `data` and `train` are
-`RunSettings.to_config()`, `model` is `run_dir.model_config(model)` (the architecture)
-with the dropout and attention-initialisation settings. `saved_settings` reads
+`RunSettings.to_config()`, `model` is `run_dir.model_config(model)` (the architecture, once
+the model is built) with the dropout and attention-initialisation settings. `saved_settings` reads
 it back, so a run's config.json given back as `--config` trains the same run.
 
 A `--config` file is JSON or YAML (by its extension, .json, .yaml or .yml, else by its
@@ -406,11 +406,13 @@ def saved_settings(config):
 
 
 def write_run_config(run, settings, model=None):
-    """Writes RUN/config.json: the settings, and the architecture of `model` once it is built."""
+    """Writes RUN/config.json: the settings, and the architecture of `model` once it is built.
+
+    Until then the `model` section holds only its settings (dropout_rate, attention_init): a
+    run of known settings, no model yet (see `run_dir.saved_architecture`).
+    """
     config = settings.to_config()
-    if model is None:
-        del config["model"]  # Until the model is built: a run of known settings, no model yet.
-    else:
+    if model is not None:
         config["model"] = {**run_dir.model_config(model), **config["model"]}
     run_dir.write_config(run, config)
 

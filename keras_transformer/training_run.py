@@ -96,8 +96,9 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
         settings = settings.replace(workers=check_workers(run, settings, workers))
 
     def model_fn(dtype):
-        if saved_config is not None and "model" in saved_config:  # Not yet when the start was interrupted.
-            return Transformer(**saved_config["model"], dtype=dtype)
+        architecture = None if saved_config is None else run_dir.saved_architecture(saved_config)
+        if architecture is not None:  # None yet when the start was interrupted.
+            return Transformer(**architecture, dtype=dtype)
         return Transformer.from_preset(
             settings.preset, tokenizer.vocab_size, dtype=dtype,
             dropout_rate=settings.dropout, attention_init=settings.attention_init,

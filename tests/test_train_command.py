@@ -471,15 +471,16 @@ def test_a_start_interrupted_after_the_vocabulary_is_resumed(tmp_path, multi30k_
     assert _snapshot(run)[run_dir.TOKENIZER_FILE] == vocabulary
 
 
-@pytest.mark.parametrize("start", ["new", "stopped"])
+@pytest.mark.parametrize("start", ["new", "stopped", "interrupted"])
 def test_a_run_draws_its_weights_as_its_settings_say(tmp_path, multi30k_dir, multi30k_tokenizer, monkeypatch, start):
-    """A new run, and one stopped before its first checkpoint (config.json holds the model, no checkpoint its
-    weights), build their model with the run's attention initialisation and dropout, not the layers' defaults."""
+    """A new run, one stopped before its first checkpoint (config.json holds the model, no checkpoint its
+    weights), and one interrupted before it built its model (config.json and the vocabulary alone) build their
+    model with the run's attention initialisation and dropout, not the layers' or the preset's defaults."""
     run = tmp_path / "run"
     command = ["--run-dir", str(run), "--data-dir", str(multi30k_dir)]
     if start == "new":
         command += ["--preset", "tiny", "--vocab-size", "1000", "--dropout", "0.25", "--attention-init", "mimetic"]
-    else:  # The same command resumes it: its settings are the run's.
+    else:  # `train.py --run-dir RUN` resumes it: its settings are the run's.
         settings = run_settings.layered({
             "preset": "tiny", "dataset": "multi30k", "source_lang": "en", "target_lang": "de",
             "vocab_size": multi30k_tokenizer.vocab_size, "dropout": 0.25, "attention_init": "mimetic",
@@ -488,7 +489,7 @@ def test_a_run_draws_its_weights_as_its_settings_say(tmp_path, multi30k_dir, mul
             "tiny", multi30k_tokenizer.vocab_size, dropout_rate=0.25, attention_init="mimetic"
         )
         model.build()
-        run_settings.write_run_config(run, settings, model)
+        run_settings.write_run_config(run, settings, model if start == "stopped" else None)
         multi30k_tokenizer.save(run_dir.tokenizer_path(run))
     built = []
 

@@ -157,6 +157,19 @@ def test_a_pinned_setting_of_a_file_is_refused_by_the_run(tmp_path, capsys):
     assert (run / run_dir.CONFIG_FILE).read_text() == before
 
 
+def test_a_start_interrupted_before_its_model_keeps_its_dropout_and_attention_init(tmp_path, capsys):
+    """config.json as a start interrupted after its vocabulary leaves it: no architecture yet, every setting."""
+    run = tmp_path / "run"
+    settings = _resolve("--preset", "tiny", "--run-dir", str(run), "--dropout", "0.3", "--attention-init", "tied")
+    run_settings.write_run_config(run, settings.replace(source_lang="en", target_lang="de"))
+    resumed = _resolve("--run-dir", str(run))
+    assert (resumed.dropout, resumed.attention_init) == (0.3, "tied")
+    line = _one_line_error(train_cli.main(["--run-dir", str(run), "--dropout", "0.5"]), capsys.readouterr().err)
+    assert f"{run} was trained with --dropout 0.3, not 0.5" in line
+    with pytest.raises(run_dir.RunDirError, match="holds no trained model yet"):
+        run_dir.build_model(run)
+
+
 @pytest.mark.parametrize(
     "config, message",
     [
