@@ -15,7 +15,7 @@ check that needs no data, so that a bad command fails before anything is trained
 config.json is `{"data": {...}, "train": {...}, "model": {...}}`: `data` and `train` are
 `RunSettings.to_config()`, `model` is `run_dir.model_config(model)` (the architecture, once
 the model is built) with the dropout and attention-initialisation settings. `saved_settings` reads
-it back, so a run's config.json given back as `--config` trains the same run.
+it back, checked as a --config file is, so a run's config.json given back as `--config` trains the same run.
 
 A `--config` file is JSON or YAML (by its extension, .json, .yaml or .yml, else by its
 text) with config.json's keys and layout, any of them left out. A value must be one its
@@ -278,7 +278,7 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
     saved_config = run_dir.read_config(run) if (run / run_dir.CONFIG_FILE).is_file() else None
     if saved_config is None:
         _check_no_orphan_state(run)
-    saved = {} if saved_config is None else saved_settings(saved_config)
+    saved = {} if saved_config is None else saved_settings(saved_config, run / run_dir.CONFIG_FILE)
     _check_pinned(requested, saved, explicit, run, config_file)
     settings = layered(saved, from_file, explicit)
     if settings.mixed_precision == precision.AUTO and "mixed_precision" in saved:
@@ -396,12 +396,19 @@ def _check_patience(settings):
         )
 
 
-def saved_settings(config):
-    """The settings saved in a run's config.json, `{name: value}`."""
+def saved_settings(config, path=run_dir.CONFIG_FILE):
+    """The settings saved in a run's config.json `path`, `{name: value}`, checked as a --config file's are.
+
+    Raises:
+        SettingsError: Naming `path` and the key, for a value its flag would refuse (a file edited by hand).
+    """
     settings = {}
     for (section, key), name in _SETTING_AT.items():
-        if key in config.get(section, {}):
-            settings[name] = config[section][key]
+        values = config.get(section, {})
+        if not isinstance(values, dict):
+            raise SettingsError(f"{path}: {section} must be a mapping of keys to values, got {_shown(values)}.")
+        if key in values:
+            settings[name] = checked_value(values[key], name, f"{path}: {section}.{key}")
     return settings
 
 

@@ -171,6 +171,29 @@ def test_a_start_interrupted_before_its_model_keeps_its_dropout_and_attention_in
 
 
 @pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("data", "corpus", "wmt15", 'data.corpus must be one of multi30k, wmt14, ted_pt_en, files, got "wmt15".'),
+        ("train", "preset", "huge", 'train.preset must be one of tiny, small, medium, base, big, got "huge".'),
+        ("train", "train_steps", "500", 'train.train_steps must be an integer, got "500".'),
+        ("train", "eval_every", -1, "train.eval_every must be 0 or a positive integer, got -1."),
+        ("train", "alpha", 50, "train.alpha must be from 0 to 10, got 50."),
+    ],
+    ids=["corpus", "preset", "string", "negative", "alpha"],
+)
+def test_a_wrong_value_in_a_runs_config_json_is_one_error_naming_it(tmp_path, capsys, section, key, value, message):
+    """A config.json edited by hand is checked as a --config file is, before anything is written."""
+    run = _saved_run(tmp_path / "run")
+    config = run_dir.read_config(run)
+    config[section][key] = value
+    run_dir.write_config(run, config)
+    before = (run / run_dir.CONFIG_FILE).read_text()
+    line = _one_line_error(train_cli.main(["--run-dir", str(run)]), capsys.readouterr().err)
+    assert line == f"train.py: error: {run / run_dir.CONFIG_FILE}: {message}", line
+    assert (run / run_dir.CONFIG_FILE).read_text() == before
+
+
+@pytest.mark.parametrize(
     "config, message",
     [
         ({"train": {"max_minutes": "ten"}}, 'train.max_minutes must be a number, got "ten".'),
