@@ -157,6 +157,22 @@ def test_a_pinned_setting_of_a_file_is_refused_by_the_run(tmp_path, capsys):
     assert (run / run_dir.CONFIG_FILE).read_text() == before
 
 
+@pytest.mark.parametrize("direction, refused", [(("en", "de"), False), (("de", "en"), True)], ids=["usual", "reversed"])
+def test_null_languages_of_a_file_are_the_corpus_usual_ones_for_a_run(tmp_path, capsys, direction, refused):
+    """null: the corpus's (en → de for Multi30k), which a run trained in that direction saved as en and de."""
+    run = _saved_run(tmp_path / "run")
+    config = run_dir.read_config(run)
+    config["data"]["source_lang"], config["data"]["target_lang"] = direction
+    run_dir.write_config(run, config)
+    config = _write(tmp_path / "exp.yaml", {"data": {"source_lang": None, "target_lang": None}})
+    exit_code = train_cli.main(["--run-dir", str(run), "--config", str(config), "--average-only"])
+    line = _one_line_error(exit_code, capsys.readouterr().err)
+    if refused:
+        assert f"{run} was trained with --source-lang de, not en (data.source_lang of --config {config})" in line
+    else:  # Past the settings: --average-only finds no checkpoint to average.
+        assert line == "train.py: error: --average-only needs --average-last N with N >= 1.", line
+
+
 def test_a_start_interrupted_before_its_model_keeps_its_dropout_and_attention_init(tmp_path, capsys):
     """config.json as a start interrupted after its vocabulary leaves it: no architecture yet, every setting."""
     run = tmp_path / "run"
