@@ -270,6 +270,7 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
     """
     explicit = {name: value for name, value in given.items() if value is not None and name in SETTINGS}
     from_file, model_keys = config_file_settings(config_file) if config_file is not None else ({}, {})
+    file_reason = from_file.pop("precision_reason", None)  # Another run's: a new run's reason names it (below).
     requested = {**from_file, **explicit}
     dataset, preset = requested.get("dataset", corpora.DEFAULT_CORPUS), requested.get("preset", DEFAULT_PRESET)
     run = Path(run or Path("runs") / f"{dataset}-{preset}")
@@ -289,7 +290,7 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
         settings = settings.replace(precision_reason=None)  # Chosen now, for the reason the run will log.
     elif from_file.get("mixed_precision", precision.AUTO) != precision.AUTO and "mixed_precision" not in saved:
         # Another run's reason (its CPU's bf16 speed, say) is not this machine's.
-        reason = _precision_from_file(config_file, from_file.get("precision_reason"))
+        reason = _precision_from_file(config_file, file_reason)
         settings = settings.replace(precision_reason=reason)
     if model_keys:  # Checked against the file's own settings: flags may change what they determine.
         _check_model_keys(model_keys, layered(saved, from_file), config_file)

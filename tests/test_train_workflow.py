@@ -173,6 +173,15 @@ def test_null_languages_of_a_file_are_the_corpus_usual_ones_for_a_run(tmp_path, 
         assert line == "train.py: error: --average-only needs --average-last N with N >= 1.", line
 
 
+def test_a_files_precision_reason_is_not_a_resumed_runs(tmp_path):
+    """A run resumed with another run's config.json keeps why it computes in its precision."""
+    run = _saved_run(tmp_path / "run", mixed_precision="bf16", precision_reason="auto: this machine's bf16 speed")
+    train = {"mixed_precision": "bf16", "precision_reason": "auto: another machine's bf16 speed"}
+    other = _write(tmp_path / "other.json", {"train": train})
+    settings = _resolve("--run-dir", str(run), "--config", str(other))
+    assert (settings.mixed_precision, settings.precision_reason) == ("bf16", "auto: this machine's bf16 speed")
+
+
 def test_a_start_interrupted_before_its_model_keeps_its_dropout_and_attention_init(tmp_path, capsys):
     """config.json as a start interrupted after its vocabulary leaves it: no architecture yet, every setting."""
     run = tmp_path / "run"
