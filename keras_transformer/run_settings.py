@@ -531,8 +531,12 @@ def _unknown_key(section, key):
     message = f"unknown key {section}.{key}"
     if str(key).replace("-", "_") in PER_COMMAND:
         return f"{message}: {flag(str(key).replace('-', '_'))} is no setting of the run, give it on the command line."
-    known = [f"{place}.{name}" for place, name in _SETTING_AT] + [f"model.{name}" for name in run_dir.MODEL_KEYS]
+    known = list(dict.fromkeys(
+        [f"{place}.{name}" for place, name in _SETTING_AT] + [f"model.{name}" for name in run_dir.MODEL_KEYS]
+    ))
     elsewhere = [place_key for place_key in known if place_key.split(".")[1] == key]  # A key in another section.
+    if not elsewhere and key in SETTINGS:  # A setting's name where its key differs: dataset, dropout.
+        elsewhere = [config_key(key)]
     close = elsewhere or difflib.get_close_matches(f"{section}.{key}", known, n=1, cutoff=0.75)
     if close:
         return f"{message}; did you mean {close[0]}?"

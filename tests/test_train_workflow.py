@@ -232,6 +232,9 @@ def test_a_wrong_value_in_a_runs_config_json_is_one_error_naming_it(tmp_path, ca
         ({"data": {"corpus": "wmt15"}}, 'data.corpus must be one of multi30k, wmt14, ted_pt_en, files, got "wmt15".'),
         ({"data": {"source_lang": False}}, "data.source_lang must be a string, got false (quote it: YAML reads"),
         ({"data": {"data_dir": "/data"}}, "unknown key data.data_dir: --data-dir is no setting of the run"),
+        ({"data": {"dataset": "wmt14"}}, "unknown key data.dataset; did you mean data.corpus?"),
+        ({"train": {"dropout": 0.2}}, "unknown key train.dropout; did you mean model.dropout_rate?"),
+        ({"model": {"dtype": "float32"}}, "model takes attention_init, d_ff, d_model, dropout_rate, layer_norm_eps"),
         ({"model": {"dropout_rate": 1.5}}, "model.dropout_rate must be in [0, 1), got 1.5."),
         ({"model": {"attention_init": "orthogonal"}},
          'model.attention_init must be one of independent, tied, mimetic, got "orthogonal".'),
@@ -241,7 +244,8 @@ def test_a_wrong_value_in_a_runs_config_json_is_one_error_naming_it(tmp_path, ca
         ({"train": [1, 2]}, "train must be a mapping of keys to values, got [1, 2]."),
     ],
     ids=["type", "typo", "section", "range", "integer", "null", "boolean", "replicas", "choice", "yaml-no",
-         "per-command", "probability", "attention-init", "fraction", "derived", "unknown-section", "not-a-mapping"],
+         "per-command", "flag-name", "flag-name-elsewhere", "model-keys", "probability", "attention-init", "fraction",
+         "derived", "unknown-section", "not-a-mapping"],
 )
 def test_a_wrong_key_or_value_in_a_file_is_one_error_naming_it(tmp_path, capsys, config, message):
     path = _write(tmp_path / "exp.yaml", config)
