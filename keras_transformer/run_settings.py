@@ -317,9 +317,9 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
 
 def _check_pinned(requested, saved, explicit, run, config_file):
     # A file's null language is the corpus's usual one, which a run saves as such.
-    usual = corpora.get_corpus_entry(requested.get("dataset", saved.get("dataset", corpora.DEFAULT_CORPUS))).languages
-    requested = {**requested, **{name: language for name, language in zip(("source_lang", "target_lang"), usual or ())
-                                 if name in requested and requested[name] is None}}
+    dataset = requested.get("dataset", saved.get("dataset", corpora.DEFAULT_CORPUS))
+    usual = dict(zip(("source_lang", "target_lang"), corpora.get_corpus_entry(dataset).languages or ()))
+    requested = {**requested, **{name: usual[name] for name in usual if name in requested and requested[name] is None}}
     for name in PINNED:
         if name == "mixed_precision" and precision.AUTO in (requested.get(name), saved.get(name)):
             continue  # `auto` takes the precision the run chose; a run saved before it chose takes any.
