@@ -55,17 +55,28 @@ class SettingsError(ValueError):
 # The value checks of the flags (argparse types) and of --config values.
 
 
+# Steps, budgets and lengths become TensorFlow int64 values; a larger one was a traceback mid-start.
+_INT64_MAX = 2**63 - 1
+
+
 def positive_int(text):
-    value = int(text)
+    value = _int64(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
 def non_negative_int(text):
-    value = int(text)
+    value = _int64(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
+    return value
+
+
+def _int64(text):
+    value = int(text)
+    if value > _INT64_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {_INT64_MAX} (a 64-bit integer), got {text}")
     return value
 
 

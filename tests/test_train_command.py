@@ -382,6 +382,8 @@ def test_settings_no_translator_could_use_fail_before_anything_is_written(tmp_pa
 _OUT_OF_RANGE_NUMBERS = [
     *(("--alpha", value, "must be from 0 to 10") for value in ("-1", "11", "1e6", "nan")),
     *(("--epochs", value, "must be a positive number") for value in ("inf", "nan", "0")),
+    *((flag, str(2**63), "must be at most 9223372036854775807 (a 64-bit integer)")
+      for flag in ("--token-budget", "--train-steps", "--eval-every")),
 ]
 
 
