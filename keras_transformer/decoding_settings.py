@@ -11,6 +11,7 @@ re-exports every name.
 """
 
 import dataclasses
+import operator
 
 # The early stops of the search; see `keras_transformer.search_core`.
 EARLY_STOPPING = ("exact", "current_length")
@@ -48,6 +49,7 @@ class DecodingSettings:
 
     Raises:
         ValueError: For a value out of range, naming the field.
+        TypeError: For a length or beam size that is no integer (NumPy's integers are).
     """
 
     beam_size: int = 4
@@ -57,6 +59,10 @@ class DecodingSettings:
     early_stopping: str = "exact"
 
     def __post_init__(self):
+        # Python numbers: NumPy's pass the range checks but are no `int` to the search (nor to JSON).
+        for name in ("beam_size", "max_extra_length", "min_length"):
+            object.__setattr__(self, name, _integer(name, getattr(self, name)))
+        object.__setattr__(self, "alpha", float(self.alpha))
         if not 1 <= self.beam_size <= MAX_BEAM_SIZE:
             raise ValueError(f"beam_size must be between 1 and {MAX_BEAM_SIZE}, got {self.beam_size}.")
         if not self.alpha >= 0:
@@ -72,3 +78,13 @@ class DecodingSettings:
     def replace(self, **changes):
         """A copy with `changes`; `None` values keep the current setting (unset flags)."""
         return dataclasses.replace(self, **{name: value for name, value in changes.items() if value is not None})
+
+
+def _integer(name, value):
+    """`value` as a Python int; a number that is no integer (2.5, 4.0, True) is a TypeError naming `name`."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}.")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}.") from None

@@ -370,6 +370,21 @@ def test_decoding_settings_default_to_the_papers_and_check_every_field():
     assert settings.replace(beam_size=None, alpha=1.0) == decoding.DecodingSettings(alpha=1.0)
 
 
+def test_numpy_numbers_in_decoding_settings_search_as_python_ones(trained_model, source_ids):
+    """A NumPy beam size (from an array, a config read with NumPy) is a Python int in the settings, so the
+    search keeps static shapes and compiles under XLA; a number that is no integer is refused by name."""
+    numpy_settings = decoding.DecodingSettings(
+        beam_size=np.int64(2), alpha=np.float32(0.5), max_extra_length=np.int32(10), min_length=np.int64(1)
+    )
+    assert [type(value) for value in dataclasses.astuple(numpy_settings)] == [int, float, int, int, str]
+    python_settings = decoding.DecodingSettings(beam_size=2, alpha=0.5, max_extra_length=10, min_length=1)
+    expected = decoding.beam_search(trained_model, source_ids[:2], python_settings, jit_compile=True)
+    found = decoding.beam_search(trained_model, source_ids[:2], numpy_settings, jit_compile=True)
+    np.testing.assert_array_equal(found.tokens, expected.tokens)
+    with pytest.raises(TypeError, match="beam_size must be an integer, got 2.5"):
+        decoding.DecodingSettings(beam_size=2.5)
+
+
 def test_beam_search_takes_one_settings_object_and_tensor_overrides_of_it(trained_model, source_ids):
     greedy = decode(trained_model, source_ids[:3], beam_size=1, n_best=1)
     for beam_size in (1, tf.constant(1)):
