@@ -163,17 +163,18 @@ def beam_search(
     if output_kernel is not None:
         _check_output_kernel(model, output_kernel)
     _check_source_length(model, source_ids)
-    _check_max_output_length(max_output_length)
-    if tf.executing_eagerly():
+    eager = tf.executing_eagerly()
+    if eager:
         overrides = {name: _python_option(name, value) for name, value in overrides.items()}
         options = {name: _python_option(name, value) for name, value in options.items()}
-        settings = _search_settings(decoding, overrides)
+    _check_max_output_length(options["max_output_length"])
+    settings = _search_settings(decoding, overrides)
+    if eager:
         search_fn = _traced_search(model, jit_compile, output_kernel is not None, **settings, **options)
         args = [tf.cast(source_ids, tf.int32)]
         if output_kernel is not None:
             args.append(tf.cast(output_kernel, model.embedding.compute_dtype))
         return search_fn(*args)
-    settings = _search_settings(decoding, overrides)
     return _search_transformer(model, source_ids, output_kernel=output_kernel, **settings, **options)
 
 
@@ -190,12 +191,9 @@ def _search_settings(decoding, overrides):
 
 
 def _check_max_output_length(max_output_length):
-    """A Python cap below 1 would still let every row generate one token: refused (None is no cap)."""
-    value = max_output_length
-    if isinstance(value, tf.Tensor) and tf.executing_eagerly() and value.shape.rank == 0:
-        value = value.numpy().item()
-    if isinstance(value, int) and value < 1:
-        raise ValueError(f"max_output_length must be at least 1 (None: no cap), got {value}.")
+    """A Python cap below 1 (an eager tensor's is one by now) would still let every row generate one token."""
+    if isinstance(max_output_length, int) and max_output_length < 1:
+        raise ValueError(f"max_output_length must be at least 1 (None: no cap), got {max_output_length}.")
 
 
 def _check_source_length(model, source_ids):
