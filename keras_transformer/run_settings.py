@@ -56,7 +56,7 @@ class SettingsError(ValueError):
 
 
 # Steps, budgets and lengths become TensorFlow int64 values; a larger one was a traceback mid-start.
-_INT64_MAX = 2**63 - 1
+INT64_MAX = 2**63 - 1
 
 
 def positive_int(text):
@@ -75,8 +75,8 @@ def non_negative_int(text):
 
 def _int64(text):
     value = int(text)
-    if value > _INT64_MAX:
-        raise argparse.ArgumentTypeError(f"must be at most {_INT64_MAX} (a 64-bit integer), got {text}")
+    if value > INT64_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {INT64_MAX} (a 64-bit integer), got {text}")
     return value
 
 
@@ -91,6 +91,17 @@ def positive_float(text):
     value = float(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+# faulthandler's timer, which ends a worker that waits too long, holds at most 2**63 ns.
+_LONGEST_TIMEOUT_MINUTES = 10**8
+
+
+def timeout_minutes(text):
+    value = positive_float(text)
+    if value > _LONGEST_TIMEOUT_MINUTES:
+        raise argparse.ArgumentTypeError(f"must be at most {_LONGEST_TIMEOUT_MINUTES:.0e} minutes, got {text}")
     return value
 
 

@@ -31,6 +31,7 @@ import tensorflow as tf
 from keras_transformer import corpora, data, distribution, evaluation, precision, run_dir
 from keras_transformer.model import Transformer
 from keras_transformer.run_settings import (
+    INT64_MAX,
     SettingsError,
     check_not_shorter_than_trained,
     check_replicas,
@@ -307,7 +308,13 @@ def steps_for_epochs(run, corpus, tokenizer, settings, num_replicas, num_workers
     per_epoch = sum(batches(worker) for worker in range(num_workers))
     if not per_epoch:
         raise SettingsError(_no_training_pairs(run, settings))
-    steps = max(1, math.ceil(settings.epochs * per_epoch / num_replicas))
+    steps = settings.epochs * per_epoch / num_replicas
+    if steps > INT64_MAX:  # The step counter is an int64, and a run saved with more could not resume.
+        raise SettingsError(
+            f"--epochs {settings.epochs:g} makes {steps:.3g} steps ({per_epoch:,} batches per epoch over "
+            f"{num_replicas} replica(s)), more than a 64-bit step counter holds ({INT64_MAX})."
+        )
+    steps = max(1, math.ceil(steps))
     logger.info("%g epochs = %d steps (%d batches per epoch over %d replica(s)).", settings.epochs, steps,
                 per_epoch, num_replicas)
     return steps

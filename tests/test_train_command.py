@@ -384,6 +384,8 @@ _OUT_OF_RANGE_NUMBERS = [
     *(("--epochs", value, "must be a positive number") for value in ("inf", "nan", "0")),
     *((flag, str(2**63), "must be at most 9223372036854775807 (a 64-bit integer)")
       for flag in ("--token-budget", "--train-steps", "--eval-every")),
+    # faulthandler's timer overflowed past 2**63 ns: an OverflowError once the workers were awaited.
+    *(("--connect-timeout-minutes", value, "must be at most 1e+08 minutes") for value in ("1e9", "1e300")),
 ]
 
 
@@ -665,6 +667,19 @@ def test_an_epoch_on_two_workers_is_a_pass_over_each_workers_shard(tmp_path, mul
     ]
     steps = training_run.steps_for_epochs(tmp_path, corpus, multi30k_tokenizer, settings, 2, 2)
     assert min(shard_batches) <= steps <= max(shard_batches), (steps, shard_batches)
+
+
+@pytest.mark.parametrize("epochs", [1e300, 1e308])
+def test_more_epochs_than_a_64_bit_step_counter_holds_are_refused(tmp_path, multi30k_dir, multi30k_tokenizer, epochs):
+    """They made a run of 10**302 steps whose saved config.json could never be resumed (or an OverflowError)."""
+    from types import SimpleNamespace
+
+    from keras_transformer.corpora import load_multi30k
+
+    corpus = SimpleNamespace(train=load_multi30k(multi30k_dir).train[:200])
+    settings = run_settings.layered({"preset": "tiny", "epochs": epochs, "vocab_size": multi30k_tokenizer.vocab_size})
+    with pytest.raises(run_settings.SettingsError, match=r"--epochs 1e\+30\d makes .* steps .*64-bit step counter"):
+        training_run.steps_for_epochs(tmp_path, corpus, multi30k_tokenizer, settings, 1)
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ PROG = Path(sys.argv[0]).name if Path(sys.argv[0]).name == "kt-train" else "trai
 def build_parser():
     from keras_transformer.corpora import CORPORA, DEFAULT_CORPUS
     from keras_transformer.recipes import DEFAULT_PRESET, RECIPES
-    from keras_transformer.run_settings import defaults, flag_options as checked, positive_float
+    from keras_transformer.run_settings import defaults, flag_options as checked, timeout_minutes
 
     def per_preset(name):
         """'tiny 200, small 1600, ...': the recipes' defaults of setting `name`, for help texts."""
@@ -133,7 +133,7 @@ def build_parser():
                      help="Comma-separated devices to replicate over, e.g. GPU:0,GPU:1 (CPU:0,CPU:1 "
                           "splits the CPU, for testing). [all local GPUs, else the CPU; with a "
                           "multi-worker TF_CONFIG, MultiWorkerMirroredStrategy]")
-    how.add_argument("--connect-timeout-minutes", type=positive_float, default=15.0,
+    how.add_argument("--connect-timeout-minutes", type=timeout_minutes, default=15.0,
                      help="Multi-worker: how long a worker waits for every worker of TF_CONFIG to "
                           "start; then it exits with status 1. [15]")
 
