@@ -163,30 +163,6 @@ def output_report(hypotheses: Sequence[str], references: Sequence[str], target_l
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class BleuResult:
-    """A corpus BLEU score (see `corpus_bleu`).
-
-    Attributes:
-        score: BLEU, 0-100.
-        text: sacrebleu's line, e.g. "BLEU = 35.12 66.1/42.3/28.9/19.8 (BP = 0.98 ...)".
-        signature: sacrebleu's signature of the settings.
-    """
-
-    score: float
-    text: str
-    signature: str
-
-    def __str__(self):
-        return f"{self.text} | {self.signature}"
-
-
-def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str], target_lang: str = "") -> BleuResult:
-    """BLEU alone: `corpus_scores(...)`'s, as a `BleuResult`."""
-    scores = corpus_scores(hypotheses, references, target_lang)
-    return BleuResult(scores.bleu.score, str(scores.bleu), scores.bleu_signature)
-
-
 def translate(
     model,
     tokenizer,

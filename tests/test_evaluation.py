@@ -43,13 +43,6 @@ def test_chrf_is_sacrebleus_corpus_chrf_and_bleu_its_cased_13a_corpus_bleu():
     assert lowered.bleu.score < scores.bleu.score
 
 
-def test_the_bleu_only_api_is_the_same_bleu():
-    scores = evaluation.corpus_scores(HYPOTHESES, REFERENCES, "de")
-    bleu = evaluation.corpus_bleu(HYPOTHESES, REFERENCES, "de")
-    assert (bleu.score, bleu.text, bleu.signature) == (scores.bleu.score, str(scores.bleu), BLEU_SIGNATURE)
-    assert str(bleu) == f"{scores.bleu} | {BLEU_SIGNATURE}"
-
-
 def test_scores_print_bleu_then_chrf_each_with_its_signature():
     scores = evaluation.corpus_scores(HYPOTHESES, REFERENCES, "de")
     bleu_line, chrf_line = str(scores).splitlines()
