@@ -43,7 +43,7 @@ class TensorInfo:
         name: Its key in requests and responses.
         dtype: A `tf.DType` name: "string" (UTF-8 text), "int32" or "float32".
         shape: `None` for the batch dimension (and the n-best one); `()` for a scalar.
-        meaning: What it holds, for documentation and error messages.
+        meaning: What it holds (documentation: no code reads it).
     """
 
     name: str
@@ -102,10 +102,8 @@ class Signature:
         return next(tensor for tensor in self.inputs if tensor.name == name)
 
     def input_dtypes(self) -> dict:
+        """`{name: dtype}` of the inputs: what a request's tensors are made as."""
         return {tensor.name: tensor.dtype for tensor in self.inputs}
-
-    def output_dtypes(self) -> dict:
-        return {tensor.name: tensor.dtype for tensor in self.outputs}
 
 
 TEXT = TensorInfo(

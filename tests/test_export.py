@@ -168,7 +168,8 @@ def test_the_signature_table_is_what_the_export_has_and_its_self_check_holds_it_
             assert (inputs[tensor.name].dtype.name, tuple(inputs[tensor.name].shape.as_list())) == (
                 tensor.dtype, tensor.shape
             )
-        assert signature.output_dtypes() == {key: spec.dtype.name for key, spec in function.structured_outputs.items()}
+        outputs = {tensor.name: tensor.dtype for tensor in signature.outputs}
+        assert outputs == {key: spec.dtype.name for key, spec in function.structured_outputs.items()}
     assert signatures.SERVING_DEFAULT.batched and not signatures.TRANSLATE_WITH_OPTIONS.batched
 
     class Loaded:
