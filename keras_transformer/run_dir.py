@@ -31,6 +31,7 @@ from pathlib import Path
 import tensorflow as tf
 from tensorflow.core.util import event_pb2
 
+from keras_transformer import error_text
 from keras_transformer.model import Transformer
 from keras_transformer.tokenizer import SubwordTokenizer
 
@@ -249,7 +250,8 @@ def best_checkpoint(run_dir):
         return path, float(tf.train.load_checkpoint(path).get_tensor(f"{BEST_METRIC}/.ATTRIBUTES/VARIABLE_VALUE"))
     except Exception as error:  # As in `restore_checkpoint`: anything, for a damaged file.
         raise RunDirError(
-            f"Checkpoint {path} does not hold its validation {BEST_METRIC} (a damaged file): {_error_summary(error)}"
+            f"Checkpoint {path} does not hold its validation {BEST_METRIC} (a damaged file): "
+            f"{error_text.summary(error)}"
         ) from None
 
 
@@ -339,13 +341,8 @@ def restore_checkpoint(checkpoint, path, partial=True):
     except Exception as error:  # TensorFlow raises anything from IndexError to DataLossError on a damaged file.
         raise RunDirError(
             f"Checkpoint {path} does not fit the model of {CONFIG_FILE} (another architecture, or a damaged "
-            f"file): {_error_summary(error)}"
+            f"file): {error_text.summary(error)}"
         ) from None
-
-
-def _error_summary(error):
-    """`Type: first line of the message` of a library's exception, which can run to pages."""
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
 def read_scalars(event_dir):
@@ -421,5 +418,5 @@ def load_tokenizer(run_dir):
         return SubwordTokenizer.load(path)
     except (RuntimeError, ValueError, tf.errors.OpError) as error:
         raise RunDirError(
-            f"{path} is not a readable SentencePiece model of this project: {_error_summary(error)}"
+            f"{path} is not a readable SentencePiece model of this project: {error_text.summary(error)}"
         ) from None

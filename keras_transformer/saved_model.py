@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
+from keras_transformer import error_text
 from keras_transformer import run_dir as run_dirs  # Not `run_dir`: export_run's argument.
 from keras_transformer.signatures import (
     OPTIONS_SIGNATURE,
@@ -285,16 +286,11 @@ def _check_served_as_tf_serving_loads(directory, translator, sentences):
                 {signature.inputs[TEXT.name].name: np.array(sentences, dtype=object)},
             )
         except tf.errors.OpError as error:
-            raise ExportError(f"{SERVING_SIGNATURE} fails as TF Serving loads it: {_cause(error)}") from error
+            cause = error_text.first_line(error)
+            raise ExportError(f"{SERVING_SIGNATURE} fails as TF Serving loads it: {cause}") from error
     expected = translator.translate(tf.constant(sentences, dtype=tf.string))
     _check_same({name: tf.constant(value) for name, value in found.items()}, expected, "TF Serving's loading")
     return f"{SERVING_SIGNATURE} translates as the in-process translator when loaded as TF Serving loads it"
-
-
-def _cause(error):
-    """The first line of an OpError's message that says what failed: a session's begins "Graph execution error:"."""
-    lines = [line.strip() for line in error.message.splitlines()]
-    return next((line for line in lines if line and line != "Graph execution error:"), type(error).__name__)
 
 
 def _check_warmup_requests(loaded, path):

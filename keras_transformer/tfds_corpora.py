@@ -18,6 +18,7 @@ import urllib.request
 
 import tensorflow as tf
 
+from keras_transformer import error_text
 from keras_transformer.corpora import (
     CORPORA,
     DatasetUnavailableError,
@@ -140,8 +141,8 @@ def _load_tfds(
         raise
     except Exception as error:  # TFDS raises many types: not found, network, I/O.
         raise DatasetUnavailableError(
-            f"TFDS dataset {tfds_name} is not available in {where} ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}). " + _tfds_help(tfds_name)
+            f"TFDS dataset {tfds_name} is not available in {where} ({error_text.summary(error)}). "
+            + _tfds_help(tfds_name)
         ) from None
 
     def to_pair(example):

@@ -60,6 +60,7 @@ from pathlib import Path
 import tensorflow as tf
 import tensorflow_text  # noqa: F401  Registers the SentencePiece ops a SavedModel needs.
 
+from keras_transformer import error_text
 from keras_transformer import signatures as signature_table
 from keras_transformer.cli import decoding_flags, interrupts, line_input, xla_batch
 from keras_transformer.decoding_settings import EARLY_STOPPING, DecodingSettings
@@ -186,8 +187,7 @@ def load_translator(args):
             module = tf.saved_model.load(str(directory))
         # A damaged or partly copied export (a cut variables file is an IndexError, as for checkpoints).
         except (OSError, ValueError, IndexError, tf.errors.OpError) as error:
-            message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise LoadError(f"cannot load the SavedModel in {directory}: {message}") from None
+            raise LoadError(f"cannot load the SavedModel in {directory}: {error_text.first_line(error)}") from None
         print(f"{PROG}: translating with {directory}", file=sys.stderr)
         return module, module.signatures
     from keras_transformer import run_dir
