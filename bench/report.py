@@ -85,7 +85,7 @@ def load_note(payload):
     load = payload.get("load") or {}
     before, after = load.get("load_before"), load.get("load_after")
     text = f"load average before {before[0] if before else '?'}, after {after[0] if after else '?'}"
-    if payload["machine"].get("onednn") is not None:  # recorded since 2026-11-25
+    if payload["machine"].get("onednn") is not None:  # older results do not record it
         text += f"; TensorFlow's oneDNN CPU kernels {'on' if payload['machine']['onednn'] else 'off'}"
     if load.get("busy"):
         text += " — **the machine was busy (other jobs on the cores): figures are pessimistic and noisy**"
@@ -97,7 +97,7 @@ def load_note(payload):
 
 def peak_line(peaks):
     """The peaks the MFU is over: the best square matmul per dtype, and which one it was."""
-    if not any("shapes" in peak for peak in peaks.values()):  # before 2026-11-25: 4096² without XLA only
+    if not any("shapes" in peak for peak in peaks.values()):  # older results: 4096² without XLA only
         return (
             "Peak matmul (4096², best of 5, same run): "
             + ", ".join(f"{k} {v['best_flops'] / 1e9:.0f} GFLOP/s" for k, v in peaks.items())
