@@ -35,7 +35,6 @@ _EXPORTS = {
     # Recipes.
     "Recipe": "recipes",
     "RECIPES": "recipes",
-    "PRESETS": "recipes",
     "get_recipe": "recipes",
     "get_preset": "recipes",
     # Text and data.

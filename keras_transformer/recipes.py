@@ -124,9 +124,6 @@ RECIPES = {
 # The preset of a run that names none.
 DEFAULT_PRESET = "small"
 
-# The model sizes alone: `Transformer` keyword arguments by preset.
-PRESETS = types.MappingProxyType({name: recipe.model for name, recipe in RECIPES.items()})
-
 
 def get_recipe(name):
     """The `Recipe` of preset `name`."""
