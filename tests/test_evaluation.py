@@ -8,14 +8,17 @@ TensorBoard scalars are read back from the event files.
 import logging
 import re
 
+import numpy as np
 import pytest
 import sacrebleu
+import sentencepiece
 import tensorflow as tf
 
 from fake_runs import PAIRS, REFERENCES, checkpointed_run, fake_translations, validation_corpus
 from keras_transformer import distribution, evaluation, run_dir, run_settings, training_run
 from keras_transformer.decoding_settings import DecodingSettings
 from keras_transformer.model import Transformer
+from keras_transformer.tokenizer import BOS_ID, EOS_ID
 from keras_transformer.trainer import Trainer, TrainingConfig
 
 # Some right, some cased or inflected differently, one missing: neither score is 0 or 100.
@@ -67,6 +70,26 @@ def test_scores_print_bleu_then_chrf_each_with_its_signature():
 )
 def test_a_translation_loops_when_a_short_span_comes_three_times_in_a_row(text, looping):
     assert evaluation.loops(text) is looping
+
+
+@pytest.mark.parametrize("kept", [0, 1, 2, 3, 4])
+def test_a_translation_stops_early_with_fewer_than_half_its_references_tokens(kept):
+    """Exactly half is not early: "fewer than `SHORT_SHARE`"."""
+    reference = "Zwei Kinder spielen ."
+    translation = " ".join(reference.split()[:kept])
+    assert evaluation.stops_early(translation, reference) is (kept < evaluation.SHORT_SHARE * 4)
+
+
+def test_bleu_tokenizes_a_chinese_target_as_sacrebleu_does_for_chinese():
+    """`target_lang` picks sacrebleu's tokenizer: 13a would read each unspaced sentence as one word."""
+    references = ["一个男人在红色的房子里。", "一只狗在草地上跑。"]
+    hypotheses = ["一个男人在红房子里。", "一只狗在草上跑。"]
+    expected = sacrebleu.corpus_bleu(hypotheses, [references], tokenize="zh").score
+    assert expected != sacrebleu.corpus_bleu(hypotheses, [references], tokenize="13a").score
+
+    scores = evaluation.corpus_scores(hypotheses, references, "zh")
+
+    assert scores.bleu.score == expected and "tok:zh" in scores.bleu_signature
 
 
 def test_the_output_report_counts_loops_and_early_stops_and_gives_lowercased_bleu():
@@ -223,3 +246,46 @@ def test_translate_reads_blank_and_long_sources_as_the_exported_translator_does(
     expected = [text.decode() for text in translator.translate(tf.constant(sources))["translation"].numpy()]
     assert expected[0] == expected[2] == ""
     assert evaluation.translate(model, multi30k_tokenizer, sources, decoding=decoding, batch_size=1) == expected
+
+
+def test_the_validation_loss_perplexity_and_accuracy_are_per_token_means_over_the_pairs_that_fit(multi30k_tokenizer):
+    """Written out in NumPy, one unpadded pair at a time: the smoothed loss, exp of the mean NLL, the argmax
+    accuracy; a pair with a side over `max_length - 1` tokens is left out, as training leaves it out."""
+    model = Transformer.from_preset("tiny", vocab_size=multi30k_tokenizer.vocab_size)
+    model.build()
+    encode = sentencepiece.SentencePieceProcessor(model_proto=multi30k_tokenizer.model_proto).encode
+    max_length, eps, vocab_size = 12, 0.2, multi30k_tokenizer.vocab_size
+    long_pair = ("A man in a red shirt is climbing a very tall rock wall.", "Ein Mann klettert.")
+    pairs = [*PAIRS, long_pair]
+    validator = evaluation.Validator(
+        pairs, multi30k_tokenizer, label_smoothing=eps, bleu_sentences=0, attention_examples=0,
+        token_budget=64, max_length=max_length,
+    )
+
+    loss = nll = correct = tokens = 0.0
+    kept = 0
+    for source, target in pairs:
+        source_ids, target_ids = encode(source), encode(target)
+        if max(len(source_ids), len(target_ids)) > max_length - 1:
+            continue
+        kept += 1
+        labels = np.array(target_ids + [EOS_ID])
+        logits = model((np.array([source_ids + [EOS_ID]]), np.array([[BOS_ID] + target_ids])), training=False)
+        logits = np.asarray(logits, np.float64)[0]
+        log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        log_probs -= logits.max(-1, keepdims=True)
+        smoothed = np.full(log_probs.shape, eps / (vocab_size - 1))
+        smoothed[np.arange(len(labels)), labels] = 1 - eps
+        loss -= (smoothed * log_probs).sum()
+        nll -= log_probs[np.arange(len(labels)), labels].sum()
+        correct += (logits.argmax(-1) == labels).sum()
+        tokens += len(labels)
+    assert kept == len(PAIRS)  # the long pair is over the cap, the others fit
+
+    metrics = validator(model, 1)
+
+    assert metrics == {
+        "loss": pytest.approx(loss / tokens, rel=1e-4),
+        "perplexity": pytest.approx(np.exp(nll / tokens), rel=1e-4),
+        "accuracy": pytest.approx(correct / tokens),
+    }
