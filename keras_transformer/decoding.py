@@ -38,6 +38,7 @@ from keras_transformer.decoding_settings import (
     DEFAULT_MIN_LENGTH,
     DEFAULT_XLA_MAX_BATCH,
     EARLY_STOPPING,
+    MAX_ALPHA,
     MAX_BEAM_SIZE,
     DecodingSettings,
     check_early_stopping,
@@ -59,6 +60,7 @@ __all__ = [
     "DEFAULT_MIN_LENGTH",
     "DEFAULT_XLA_MAX_BATCH",
     "EARLY_STOPPING",
+    "MAX_ALPHA",  # The module docstring promises every decoding name; MAX_ALPHA was left out.
     "MAX_BEAM_SIZE",
     "NEG_INF",
     "BeamState",

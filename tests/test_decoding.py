@@ -8,6 +8,7 @@ search itself, against brute force, is tested in test_search.py.
 """
 
 import dataclasses
+import inspect
 
 import keras
 import numpy as np
@@ -406,6 +407,11 @@ def test_decoding_reexports_its_settings_and_search_core_and_the_settings_need_n
 
     assert decoding.DecodingSettings is decoding_settings.DecodingSettings
     assert decoding.MAX_BEAM_SIZE == decoding_settings.MAX_BEAM_SIZE == 16
+    public = [name for name, value in vars(decoding_settings).items()
+              if not name.startswith("_") and not inspect.ismodule(value)]
+    assert "MAX_ALPHA" in public
+    for name in public:  # Every name of the settings, as `from keras_transformer.decoding import ...` too.
+        assert name in decoding.__all__ and getattr(decoding, name) is getattr(decoding_settings, name), name
     assert decoding.search is search_core.search and decoding.Hypotheses is search_core.Hypotheses
     loaded = subprocess.run(
         [sys.executable, "-c", "import sys, keras_transformer.decoding_settings; print(*sys.modules)"],
