@@ -150,6 +150,17 @@ def test_shards_are_alike_whatever_the_order_of_the_corpus(pairs, multi30k_token
     assert abs(counts[0] - counts[1]) <= 0.1 * max(counts), counts  # Every other pair: 36 and 47.
 
 
+@pytest.mark.parametrize("num_shards", [3, 4])
+def test_the_shards_of_more_than_two_pipelines_split_the_pairs_too(pairs, num_shards):
+    """Every pair in exactly one shard for any number of input pipelines, not only two."""
+    strings = tf.data.Dataset.from_tensor_slices(([source for source, _ in pairs], [target for _, target in pairs]))
+    shards = [list(shard_pairs(strings, num_shards, index).as_numpy_iterator()) for index in range(num_shards)]
+    assert all(shards)
+    assert collections.Counter(pair for shard in shards for pair in shard) == collections.Counter(
+        strings.as_numpy_iterator()
+    )
+
+
 def test_seed_makes_epochs_reproducible_and_each_epoch_reshuffles(pairs, multi30k_tokenizer):
     def epochs(count):
         dataset = make_training_dataset(
@@ -165,6 +176,22 @@ def test_seed_makes_epochs_reproducible_and_each_epoch_reshuffles(pairs, multi30
 
     assert same(first, again)
     assert not same(first, second)
+
+
+def test_each_epoch_batches_other_pairs_together_not_the_same_batches_in_another_order(pairs, multi30k_tokenizer):
+    """The pairs are reshuffled before bucketing every epoch: the same batches, merely reordered, would show
+    the model the same groups (and the same partial batches) epoch after epoch."""
+    dataset = make_training_dataset(
+        pairs[:1000], multi30k_tokenizer, token_budget=BUDGET, max_length=MAX_LENGTH, seed=7
+    )
+
+    def batches():
+        return {frozenset(map(tuple, labels.tolist())) for _, labels in dataset.as_numpy_iterator()}
+
+    first, second = batches(), batches()
+    assert len(first) > 20
+    # A bucket of fewer pairs than its batch size is one batch whatever the order: 5 of 32 here.
+    assert len(first & second) < 0.5 * len(first)
 
 
 def test_lengths_are_mixed_across_an_epoch_of_more_batches_than_the_batch_shuffle_buffer(pairs, multi30k_tokenizer):
