@@ -440,6 +440,32 @@ def test_patience_stops_the_run_and_the_best_checkpoint_outlives_the_rotation(tm
            "12.00, is step 2's." in messages, messages
 
 
+def _best_record(tmp_path, patience):
+    """A `BestCheckpoint` that decides, validating every step; `record` alone saves nothing."""
+    import logging
+
+    return BestCheckpoint(tf.Module(), tmp_path, tmp_path / run_dir.BEST_DIR, decides=True, eval_every=1,
+                          patience=patience, logger=logging.getLogger("keras_transformer.trainer"))
+
+
+def test_a_bleu_equal_to_the_best_is_no_improvement(tmp_path):
+    """"Strictly higher": a tie keeps the older best and counts against patience."""
+    best = _best_record(tmp_path, patience=2)
+    assert best.record(1, {"bleu": 12.0})
+    assert not best.record(2, {"bleu": 12.0}) and not best.out_of_patience()
+    assert not best.record(3, {"bleu": 12.0}) and best.out_of_patience()
+    assert "the best, 12.00, is step 1's" in best.no_improvement()
+
+
+def test_the_best_step_validated_again_is_no_setback(tmp_path):
+    """A run interrupted after validating its best step validates it again on resuming: the same BLEU, not a
+    validation without improvement."""
+    best = _best_record(tmp_path, patience=1)
+    assert best.record(1, {"bleu": 12.0})
+    assert not best.record(1, {"bleu": 12.0}) and not best.out_of_patience()
+    assert not best.record(2, {"bleu": 11.0}) and best.out_of_patience()
+
+
 def test_patience_counts_on_across_a_resume(tmp_path):
     """Resumed after step 3 (BLEU 10, 12, 11), the run stops at step 4; run again, it has nothing to do."""
     run = tmp_path / "run"
