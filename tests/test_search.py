@@ -423,6 +423,24 @@ def test_each_early_stop_gives_the_steps_and_result_of_a_plain_python_beam_searc
                 np.testing.assert_allclose(result.scores[index], score, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("alpha", [0.6, 2.0])
+def test_a_row_stops_as_early_beside_longer_rows_as_alone(alpha):
+    """The exact stop bounds a row's alive beams by the penalty at its own maximum length, not at the batch's
+    longest: a batch scores as many beams as its rows searched alone (each alone, as the test above checks
+    against plain Python), and a short row stops before its maximum length, so the bound is what decides."""
+    tables = make_tables_of(LONG_ROW_MAX_LENGTHS, seed=EARLY_STOP_SEED)
+    scored_in_batch = tf.Variable(0)
+    run_search(tables, 2, alpha, row_max_lengths=LONG_ROW_MAX_LENGTHS, scored=scored_in_batch)
+    scored_alone, short_rows_stopped_early = 0, 0
+    for row, max_length in enumerate(LONG_ROW_MAX_LENGTHS):
+        scored, steps = tf.Variable(0), tf.Variable(0)
+        run_search(tables[row : row + 1], 2, alpha, row_max_lengths=[max_length], scored=scored, counter=steps)
+        scored_alone += int(scored.numpy())
+        short_rows_stopped_early += max_length < max(LONG_ROW_MAX_LENGTHS) and int(steps.numpy()) < max_length
+    assert short_rows_stopped_early
+    assert int(scored_in_batch.numpy()) == scored_alone
+
+
 @pytest.mark.parametrize("alpha", ALPHAS)
 def test_the_current_length_stop_gives_the_same_best_and_steps_for_an_n_best_list(alpha):
     """Asking for 2 hypotheses must not change the best one (an export's two signatures)."""
