@@ -298,6 +298,20 @@ def test_an_output_cap_below_one_token_is_refused(trained_model, source_ids, cap
     assert set(decode(trained_model, source_ids[:2], max_output_length=1).lengths) == {1}
 
 
+@pytest.mark.parametrize("max_extra_length", [0, 3])
+def test_each_output_has_at_most_its_source_length_plus_the_extra_length(trained_model, source_ids, max_extra_length):
+    """EOS never comes (an id never generated): each row runs to its own limit, its source's real tokens
+    (EOS included, padding not) + `max_extra_length`, whatever the other rows' lengths; under a cap, the cap."""
+    rows = source_ids[:4]
+    assert len(set(source_lengths(rows))) > 1  # padded rows: a limit from the padded width would show
+    hypotheses = decode(trained_model, rows, beam_size=2, max_extra_length=max_extra_length, eos_id=-1)
+    np.testing.assert_array_equal(hypotheses.lengths, source_lengths(rows) + max_extra_length)
+    cap = int(source_lengths(rows).min()) + 1
+    capped = decode(trained_model, rows, beam_size=2, max_extra_length=max_extra_length, eos_id=-1,
+                    max_output_length=cap)
+    np.testing.assert_array_equal(capped.lengths, np.minimum(source_lengths(rows) + max_extra_length, cap))
+
+
 def test_learned_positions_cap_the_output_length():
     from keras_transformer import Transformer
 
@@ -369,6 +383,21 @@ def test_decoding_settings_default_to_the_papers_and_check_every_field():
             settings.replace(**changes)
     # Unset flags (None) keep the settings they would replace.
     assert settings.replace(beam_size=None, alpha=1.0) == decoding.DecodingSettings(alpha=1.0)
+
+
+def test_decoding_settings_take_the_ends_of_their_ranges_and_refuse_nan_and_booleans():
+    """The limits themselves are allowed; NaN compares false with everything, so a range check must not let it
+    through (it would make every score NaN); True is an int to Python, not a beam size."""
+    from keras_transformer.decoding_settings import MAX_ALPHA, MAX_BEAM_SIZE
+
+    ends = decoding.DecodingSettings(beam_size=MAX_BEAM_SIZE, alpha=MAX_ALPHA, max_extra_length=0, min_length=0)
+    assert dataclasses.astuple(ends)[:4] == (MAX_BEAM_SIZE, MAX_ALPHA, 0, 0)
+    assert decoding.DecodingSettings(beam_size=1, alpha=0).beam_size == 1
+    with pytest.raises(ValueError, match="alpha must be 0 or more, got nan"):
+        decoding.DecodingSettings(alpha=float("nan"))
+    for name in ("beam_size", "max_extra_length", "min_length"):
+        with pytest.raises(TypeError, match=f"{name} must be an integer, got True"):
+            decoding.DecodingSettings(**{name: True})
 
 
 def test_numpy_numbers_in_decoding_settings_search_as_python_ones(trained_model, source_ids):
