@@ -125,6 +125,18 @@ def test_every_unicode_whitespace_is_blank_and_line_breaks_are_spaces(multi30k_t
     assert multi30k_tokenizer.tokenize(broken).to_list() == multi30k_tokenizer.tokenize([line] * 3).to_list()
 
 
+def test_whitespace_of_any_kind_at_either_end_is_no_piece(multi30k_tokenizer):
+    """SentencePiece drops outer ASCII spaces itself, not a trailing no-break, ideographic or zero-width space:
+    those must go as Python's `str.strip` (and a corpus reader) would take them away."""
+    line = "Two dogs run through the snow."
+    spaces = [chr(code) for code in range(0x110000) if chr(code).isspace()] + ["\u200b", "\ufeff"]
+    texts = [text for space in spaces for text in (line + space, space + line, space + line + space)]
+
+    ids = multi30k_tokenizer.tokenize(texts)
+
+    assert ids.to_list() == multi30k_tokenizer.tokenize([line] * len(texts)).to_list()
+
+
 def test_lines_as_served_tokenize_as_the_corpus_reader_leaves_them(multi30k_dir, multi30k_tokenizer, tmp_path):
     """A served sentence may come from a CRLF file with a byte order mark: training never saw those."""
     lines = _lines(multi30k_dir / "val.en")[:50]
