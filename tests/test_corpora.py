@@ -214,6 +214,19 @@ def test_a_test_split_keeps_every_line_so_that_translations_stay_aligned(tmp_pat
     assert len(caplog.records) == 1 and "train.en" in caplog.records[0].getMessage()
 
 
+def test_multi30k_keeps_every_test_line_and_skips_a_validation_pair_with_an_empty_side(tmp_path):
+    """As the files corpus does: the test translations are scored line by line against test_2016_flickr."""
+    directory = _write_tiny_multi30k(tmp_path)
+    for stem in ("val", "test_2016_flickr"):
+        (directory / f"{stem}.en").write_bytes(b"A bird.\n\nA horse.\n")
+        (directory / f"{stem}.de").write_bytes(b"Ein Vogel.\nLeer.\nEin Pferd.\n")
+
+    corpus = load_multi30k(directory)
+
+    assert corpus.test == [("A bird.", "Ein Vogel."), ("", "Leer."), ("A horse.", "Ein Pferd.")]
+    assert corpus.validation == [("A bird.", "Ein Vogel."), ("A horse.", "Ein Pferd.")]
+
+
 def test_a_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path):
     source, target = tmp_path / "s.txt", tmp_path / "t.txt"
     source.write_bytes("\ufeffHello world.\nBye.\n".encode("utf-8"))
