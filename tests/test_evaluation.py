@@ -166,6 +166,24 @@ def test_validation_logs_and_writes_chrf_next_to_bleu(tmp_path, multi30k_tokeniz
     assert signatures.endswith(f"first 4 validation sentences: BLEU {BLEU_SIGNATURE}, chrF {CHRF_SIGNATURE}")
 
 
+def test_validation_bleu_and_chrf_are_those_of_the_first_bleu_sentences_pairs(multi30k_tokenizer, monkeypatch):
+    """The fixed subset the curve is comparable on: the first `bleu_sentences`, in order, against their references."""
+    _translations_for_the_references(monkeypatch)
+    monkeypatch.setattr(evaluation.Validator, "teacher_forced_metrics", lambda self, model: {})
+    validator = evaluation.Validator(
+        PAIRS, multi30k_tokenizer, bleu_sentences=2, attention_examples=0, target_lang="de"
+    )
+
+    metrics = validator(None, 1)
+
+    first = sacrebleu.corpus_bleu(HYPOTHESES[:2], [REFERENCES[:2]]).score
+    assert first != sacrebleu.corpus_bleu(HYPOTHESES[-2:], [REFERENCES[-2:]]).score
+    assert metrics == {
+        "bleu": pytest.approx(first),
+        "chrf": pytest.approx(sacrebleu.corpus_chrf(HYPOTHESES[:2], [REFERENCES[:2]]).score),
+    }
+
+
 def test_the_test_set_line_and_scalars_hold_bleu_and_chrf(tmp_path, monkeypatch, caplog):
     """train.py's final evaluation prints both scores with their signatures and writes both scalars."""
     _translations_for_the_references(monkeypatch)
