@@ -215,10 +215,11 @@ def test_a_test_split_keeps_every_line_so_that_translations_stay_aligned(tmp_pat
 
 
 def test_multi30k_keeps_every_test_line_and_skips_a_validation_pair_with_an_empty_side(tmp_path):
-    """As the files corpus does: the test translations are scored line by line against test_2016_flickr."""
+    """As the files corpus does: the test translations are scored line by line against test_2016_flickr.
+    Each line is stripped, in either split."""
     directory = _write_tiny_multi30k(tmp_path)
     for stem in ("val", "test_2016_flickr"):
-        (directory / f"{stem}.en").write_bytes(b"A bird.\n\nA horse.\n")
+        (directory / f"{stem}.en").write_bytes(b"A bird.\n\n A horse.\t\n")
         (directory / f"{stem}.de").write_bytes(b"Ein Vogel.\nLeer.\nEin Pferd.\n")
 
     corpus = load_multi30k(directory)
