@@ -108,6 +108,18 @@ def test_the_output_report_counts_loops_and_early_stops_and_gives_lowercased_ble
         evaluation.output_report(hypotheses[:2], references)
 
 
+def test_written_translations_stay_one_a_line_whatever_they_hold(tmp_path):
+    """A translation may hold a line break (a generated <0x0A> byte piece): the file must stay line-aligned
+    with the references, one translation a line, the break a space."""
+    translations = ["Ein Hund\nrennt.", "", "Zwei\n\nKatzen.", "Ein Kind."]
+    path = tmp_path / "out" / "test.de"
+
+    evaluation.write_lines(path, translations)
+
+    lines = path.read_bytes().decode("utf-8").split("\n")
+    assert lines == [" ".join(text.split("\n")) for text in translations] + [""]
+
+
 def test_as_many_hypotheses_as_references_are_needed():
     with pytest.raises(ValueError, match="3 hypotheses for 4 references"):
         evaluation.corpus_scores(HYPOTHESES[:3], REFERENCES)
