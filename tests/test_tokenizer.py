@@ -1,6 +1,7 @@
 """Tests of the shared subword tokenizer (keras_transformer.tokenizer)."""
 
 import io
+import re
 
 import numpy as np
 import pytest
@@ -168,6 +169,28 @@ def test_unseen_characters_fall_back_to_bytes_losslessly(multi30k_tokenizer):
     assert UNK_ID not in ids.flat_values.numpy()
     assert "<0xF0>" in pieces  # First byte of the dog emoji.
     assert _strings(multi30k_tokenizer.detokenize(ids)) == [text]
+
+
+def test_generated_line_breaks_and_tabs_detokenize_to_one_line(multi30k_tokenizer):
+    """Byte fallback has a piece for every byte: a model can spell "\\n", "\\r", a tab or U+2028, which split a
+    translation over two lines of translate.py's output (or of a file sacrebleu reads). SentencePiece's own decoding
+    keeps them; ours is that text made one line as a corpus line is, break runs a space, outer ones gone."""
+    processor = sentencepiece.SentencePieceProcessor(model_proto=multi30k_tokenizer.model_proto)
+    pieces = [
+        ["<0x09>", "▁Hund"],
+        ["▁Ein", "▁Hund", "<0x0A>", "▁läuft", "<0x0D>", "<0x0A>"],
+        ["▁Ein", "<0xE2>", "<0x80>", "<0xA8>", "▁Hund", "<0x0B>", "<0x0C>", "."],
+    ]
+    rows = [[processor.piece_to_id(piece) for piece in row] for row in pieces]
+    theirs = [processor.decode(row) for row in rows]
+    assert all(len(text.splitlines()) > 1 or "\t" in text for text in theirs)
+
+    ours = _strings(multi30k_tokenizer.detokenize(tf.ragged.constant(rows)))
+
+    def one_line(text):  # Python's own line breaks, and the tab, a space each run; outer spaces gone.
+        return " ".join(part for part in re.split(r"[\t\n\x0b\x0c\r\x1c-\x1e\x85\u2028\u2029]+", text)).strip()
+
+    assert ours == [one_line(text) for text in theirs] == ["Hund", "Ein Hund  läuft", "Ein  Hund ."]
 
 
 def test_detokenize_dense_ids_stops_at_eos_and_skips_padding(multi30k_tokenizer):
