@@ -5,7 +5,7 @@ import pytest
 import keras
 import tensorflow as tf
 
-from keras_transformer import MultiHeadAttention, causal_mask
+from keras_transformer import MultiHeadAttention, causal_mask, padding_mask
 
 D_MODEL, HEADS = 16, 4
 
@@ -219,6 +219,18 @@ def test_causal_mask_formula():
     mask = np.asarray(causal_mask(3, 5, query_offset=2))[0]
     expected = np.array([[j <= i + 2 for j in range(5)] for i in range(3)])
     np.testing.assert_array_equal(mask, expected)
+
+
+@pytest.mark.parametrize("pad_id", [0, 3])
+def test_padding_mask_hides_the_given_pad_id_from_every_query(pad_id):
+    """`[batch, 1, length]`, True where the id is not `pad_id` (padding anywhere, not only at the end)."""
+    ids = np.array([[5, 0, 3, 3], [3, 7, 0, 1]])
+    mask = np.asarray(padding_mask(ids, pad_id=pad_id))
+    np.testing.assert_array_equal(mask, (ids != pad_id)[:, None, :])
+    ours, _, query, _ = copied_pair(seed=10)
+    _, scores = ours(query, query[:, :4], attention_mask=mask, return_attention_scores=True)
+    hidden = np.broadcast_to((ids == pad_id)[:, None, None, :], np.shape(scores))
+    assert np.all(np.asarray(scores)[hidden] < 1e-6) and np.all(np.asarray(scores)[~hidden] > 0)
 
 
 def test_d_model_not_divisible_by_heads_is_a_clear_error():
