@@ -135,6 +135,21 @@ def test_the_output_projection_and_its_gradients_match_the_formula_for_any_leadi
         layer(np.zeros((2, 3, 4), "float32"), reverse=True)
 
 
+@pytest.mark.parametrize("make_table", [
+    lambda: SharedEmbedding(vocab_size=4000, d_model=64),
+    lambda: PositionalEncoding(learned=True, max_positions=4000),
+], ids=["shared_embedding", "learned_positions"])
+def test_tables_start_with_standard_deviation_d_model_to_the_minus_half(make_table):
+    """So that lookups scaled by sqrt(d_model) (and the sinusoids they replace) have unit variance."""
+    layer = make_table()
+    layer.build((None, None, 64))
+    table = np.asarray(layer.weights[0])
+    assert table.shape == (4000, 64)
+    # 256,000 normal draws: the sample deviation is within 1% of the true one.
+    np.testing.assert_allclose(table.std(), 64**-0.5, rtol=0.01)
+    assert abs(table.mean()) < 0.1 * 64**-0.5  # centred: the standard error is 0.002 of it
+
+
 def test_bad_sizes_are_clear_errors():
     with pytest.raises(ValueError, match="vocab_size"):
         SharedEmbedding(0, 4)
