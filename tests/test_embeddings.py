@@ -38,6 +38,18 @@ def test_float64_sinusoids_equal_the_formula_to_float64_precision():
     np.testing.assert_allclose(encoding, paper_formula(50, 64, start=950), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_sinusoids_are_the_formula_rounded_once_to_the_compute_dtype(policy):
+    """Far positions too: angles computed in bfloat16 (8 bits of mantissa) would be off by whole periods."""
+    import tensorflow as tf
+
+    layer = PositionalEncoding(dtype=policy)
+    encoding = np.asarray(tf.cast(layer(np.zeros((1, 50, 64), "float32"), start_index=950)[0], tf.float32))
+    expected = np.asarray(tf.cast(tf.cast(paper_formula(50, 64, start=950), layer.compute_dtype), tf.float32))
+    # One rounding step of the compute dtype apart at most (float32 angles of positions near 1000).
+    np.testing.assert_allclose(encoding, expected, rtol=0, atol=2**-8)
+
+
 def test_the_output_shape_is_the_inputs_shape_as_called():
     layer = PositionalEncoding()
     for shape in ((2, 5, 8), (None, None, 8)):
