@@ -111,3 +111,20 @@ def test_fused_adam_follows_keras_adam_step_for_step():
     for keras_value, fused_value in zip(*results, strict=True):
         # float32 rounding of weights of size ~5 (the fused kernel orders the arithmetic its own way)
         np.testing.assert_allclose(fused_value, keras_value, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("epsilon", [1e-9, 0.5])
+def test_fused_adam_divides_by_the_root_of_v_plus_its_own_epsilon(epsilon):
+    # The update's formula, in NumPy, after one step from zero slots: with epsilon = 0.5
+    # the denominator sqrt(v) + epsilon is far from sqrt(v), so an epsilon not passed to
+    # the kernel shows (Keras's default 1e-7 and the paper's 1e-9 differ too little).
+    initial = np.array([1.0, -2.0, 3.0], "float32")
+    gradient = np.array([0.5, -0.25, 2.0], "float32")
+    learning_rate, beta_1, beta_2 = 0.1, 0.9, 0.98
+    optimizer = FusedAdam(learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
+    variable = keras.Variable(initial)
+    optimizer.build([variable])
+    optimizer.apply([gradient], [variable])
+    m, v = (1 - beta_1) * gradient, (1 - beta_2) * gradient**2
+    step = learning_rate * np.sqrt(1 - beta_2) / (1 - beta_1) * m / (np.sqrt(v) + epsilon)
+    np.testing.assert_allclose(variable.numpy(), initial - step, rtol=1e-6)
