@@ -35,6 +35,29 @@ def test_drops_the_rate_and_scales_the_rest(jit_compile, shape):
     np.testing.assert_allclose(keep_scale(RATE), 1.0 / (1.0 - RATE), rtol=1e-5)  # quantisation is tiny
 
 
+@pytest.mark.parametrize("rate", [RATE, 2**-16, 0.5])
+def test_exactly_the_rounded_rate_of_all_16_bit_values_is_dropped(rate, monkeypatch):
+    """Given every 16-bit value once as the random half-words, round(rate * 2**16) elements are dropped
+    and the output sums to the input's sum: E[output] = input exactly, as documented. A statistical
+    test cannot see a threshold off by one value (2**-16 of the rate)."""
+    import keras_transformer.dropout as dropout_module
+
+    every_value = tf.cast(tf.range(2**16), tf.uint16)
+    monkeypatch.setattr(dropout_module, "_uniform_half_words", lambda shape, seed: tf.reshape(every_value, shape))
+    outputs = _run(Dropout(rate, seed=1), tf.ones([2**16]), jit_compile=False).astype("float64")
+    assert (outputs == 0).sum() == round(rate * 2**16)
+    np.testing.assert_allclose(outputs.sum(), 2**16, rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit_compile, algorithm", [(True, 2), (False, 1)])  # RNG_ALG_THREEFRY, RNG_ALG_PHILOX
+def test_the_mask_is_drawn_with_threefry_under_xla_and_philox_elsewhere(jit_compile, algorithm):
+    layer = Dropout(RATE, seed=8)
+    step = tf.function(lambda x: layer(x, training=True), jit_compile=jit_compile)
+    graph = step.get_concrete_function(tf.TensorSpec(SHAPE)).graph
+    draws = [op for op in graph.get_operations() if op.type == "StatelessRandomUniformFullIntV2"]
+    assert {int(tf.get_static_value(op.inputs[3])) for op in draws} == {algorithm}
+
+
 @pytest.mark.parametrize("jit_compile", [True, False])
 def test_neighbours_are_dropped_independently(jit_compile):
     """The two 16-bit halves of one random word decide two neighbouring elements."""
