@@ -29,6 +29,7 @@ AVX2_ONLY = frozenset({"avx2", "fma"})
         (Devices(False, (), AVX512_BF16_EPYC, 1.8), False, "bf16"),  # as on an AMD EPYC
         (Devices(False, (), AVX512_BF16_EPYC, 0.54), False, "none"),  # as on an Intel Xeon without AMX
         (Devices(False, (), AVX512_BF16_EPYC, 1.19), False, "none"),  # not enough to pay for the rest of a step
+        (Devices(False, (), AVX512_BF16_EPYC, precision.MIN_BF16_SPEEDUP), False, "bf16"),  # "at least" the margin
         (Devices(False, (), AVX512_BF16_EPYC, None), False, "none"),  # not measured
         (Devices(False, (), AVX512_BF16_EPYC, 1.8), True, "none"),  # XLA's CPU backend: no bfloat16 kernels
         (Devices(True, ((8, 0),), AVX2_ONLY), True, "bf16"),  # XLA on GPUs has them
