@@ -72,6 +72,19 @@ def test_gradients_match_keras_multi_head_attention(self_attention, jit_compile)
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_a_key_sequence_other_than_the_values_matches_keras_multi_head_attention():
+    """Keys projected from `key`, values from `value`; called, and as a projected fixed memory."""
+    ours, theirs, query, value = copied_pair(seed=11)
+    key = np.random.default_rng(11).normal(size=value.shape).astype("float32")
+    out, scores = ours(query, value, key=key, return_attention_scores=True)
+    expected, expected_scores = theirs(query, value, key=key, return_attention_scores=True)
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-6)
+    from_memory, _ = ours(query, value, cache=ours.project_key_value(value, key))
+    np.testing.assert_allclose(from_memory, expected, atol=1e-5)
+    assert not np.allclose(out, ours(query, value), atol=1e-3)  # the key matters here
+
+
 def test_matches_keras_multi_head_attention_with_attention_mask():
     ours, theirs, query, value = copied_pair(seed=1)
     rng = np.random.default_rng(1)
