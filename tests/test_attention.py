@@ -171,6 +171,24 @@ def test_cache_gives_the_same_outputs_as_full_causal_attention():
         np.testing.assert_allclose(out[:, 0], full[:, i], atol=1e-5)
 
 
+@pytest.mark.parametrize("use_causal_mask", [True, False])
+def test_a_cache_extended_midway_keeps_its_positions_and_decodes_as_full_causal_attention(use_causal_mask):
+    ours, _, query, _ = copied_pair(seed=12)
+    full = np.asarray(ours(query, query, use_causal_mask=True))
+    cache = ours.empty_cache(2, 2)
+    out, cache = ours(query[:, :2], query[:, :2], use_causal_mask=True, cache=cache, cache_index=0)
+    np.testing.assert_allclose(out, full[:, :2], atol=1e-5)
+    longer = MultiHeadAttention.extend_cache(cache, query.shape[1])
+    for name in ("key", "value"):
+        assert longer[name].shape[2] == query.shape[1]
+        np.testing.assert_array_equal(np.asarray(longer[name])[:, :, :2], np.asarray(cache[name]))
+        np.testing.assert_array_equal(np.asarray(longer[name])[:, :, 2:], 0.0)
+    for i in range(2, query.shape[1]):
+        step = query[:, i : i + 1]
+        out, longer = ours(step, step, use_causal_mask=use_causal_mask, cache=longer, cache_index=i)
+        np.testing.assert_allclose(out[:, 0], full[:, i], atol=1e-5)
+
+
 def test_fixed_memory_cache_equals_projecting_the_memory():
     ours, _, query, value = copied_pair(seed=5)
     memory = ours.project_key_value(value)
