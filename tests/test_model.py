@@ -161,6 +161,21 @@ def test_mimetic_attention_init_reaches_every_attention_layer():
         assert np.trace(value_output) < 0
 
 
+def test_the_norm_order_and_layer_norm_epsilon_reach_every_block_and_round_trip():
+    """A pre-LN model is pre-LN in every block, with a final LayerNorm after each stack, and every
+    LayerNorm has the model's epsilon (the blocks' defaults, post-LN and 1e-6, would otherwise pass)."""
+    model = Transformer(vocab_size=VOCAB, num_layers=2, d_model=8, num_heads=2, d_ff=16, norm_first=True,
+                        layer_norm_epsilon=0.25)
+    model.build()
+    for built in (model, Transformer.from_config(model.get_config())):
+        built.build()
+        blocks = built.encoder.blocks + built.decoder.blocks
+        assert all(block.norm_first for block in blocks)
+        norms = [layer for layer in built._flatten_layers() if isinstance(layer, keras.layers.LayerNormalization)]
+        assert len(norms) == 2 * 2 + 2 * 3 + 2  # two per encoder layer, three per decoder layer, two final ones
+        assert {norm.epsilon for norm in norms} == {0.25}
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_keeps_logits_and_attention_in_float32(policy):
     model = Transformer.from_preset("tiny", vocab_size=VOCAB, dtype=policy)
