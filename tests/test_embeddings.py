@@ -183,6 +183,7 @@ def test_the_shared_embedding_in_a_functional_model_embeds_and_projects_as_calle
     model = keras.Model(ids, [embedded, logits])
     batch = np.array([[1, 5, 10], [3, 0, 2]])
     got_embedded, got_logits = model(batch)
+    assert got_logits.dtype == "float32" and embedding(embedding(batch), reverse=True).dtype == "float32"
     np.testing.assert_array_equal(got_embedded, embedding(batch))
     np.testing.assert_array_equal(got_logits, embedding(embedding(batch), reverse=True))
 
