@@ -149,6 +149,14 @@ def test_token_accuracy_counts_correct_non_pad_tokens():
     assert (float(correct), float(num_tokens)) == (3.0, 5.0)
 
 
+@pytest.mark.parametrize("pad_id", [0, 3])
+def test_token_accuracy_leaves_out_padding_even_where_padding_is_predicted(pad_id):
+    labels = np.array([[1, 4, pad_id, pad_id], [pad_id, 1, 2, pad_id]], "int32")
+    logits = np.eye(VOCAB, dtype="float32")[labels]  # every position predicted right, padding included
+    correct, num_tokens = token_accuracy(labels, logits, pad_id=pad_id)
+    assert (float(correct), float(num_tokens)) == (4.0, 4.0)
+
+
 def test_token_accuracy_matches_argmax_on_random_logits_and_counts_ties():
     rng = np.random.default_rng(1)
     labels = rng.integers(0, 50, size=(8, 7)).astype("int32")
