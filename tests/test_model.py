@@ -64,6 +64,17 @@ def test_extra_source_padding_does_not_change_the_logits(tiny_model):
     np.testing.assert_allclose(tiny_model((padded, target)), tiny_model((source, target)), atol=1e-5)
 
 
+def test_a_pad_id_other_than_0_is_the_source_padding_hidden_from_attention():
+    keras.utils.set_random_seed(2)
+    model = Transformer(vocab_size=VOCAB, num_layers=1, d_model=16, num_heads=2, d_ff=32, pad_id=3)
+    source = random_ids((2, 6), 2)  # ids from 4 up: no padding
+    target = random_ids((2, 4), 3)
+    padded = np.concatenate([source, np.full((2, 5), 3, "int32")], axis=1)
+    np.testing.assert_allclose(model((padded, target)), model((source, target)), atol=1e-5)
+    _, source_mask = model.encode(padded)
+    np.testing.assert_array_equal(source_mask, padded != 3)
+
+
 def test_incremental_decoding_gives_the_logits_of_the_full_decoder(tiny_model):
     source = random_ids((3, 9), 4)
     source[1, 6:] = 0  # a padded row
