@@ -139,6 +139,22 @@ def test_keras_masks_of_the_values_hide_padded_keys_as_in_keras_multi_head_atten
     assert not np.allclose(out, ours(query, value), atol=1e-3)  # the mask matters here
 
 
+def test_keras_masks_of_a_separate_key_hide_padded_keys_as_in_keras_multi_head_attention():
+    """The `key` input's Keras mask hides keys as the values' does (here the values carry none)."""
+    ours, theirs, query, value = copied_pair(seed=14)
+    key = _padded_value(np.random.default_rng(14).normal(size=value.shape).astype("float32"))
+    inputs = [keras.Input((5, D_MODEL)), keras.Input((7, D_MODEL)), keras.Input((7, D_MODEL))]
+    masked_key = keras.layers.Masking(0.0)(inputs[2])
+    ours_model, theirs_model = (
+        keras.Model(inputs, layer(inputs[0], inputs[1], key=masked_key)) for layer in (ours, theirs)
+    )
+    out = ours_model([query, value, key])
+    np.testing.assert_allclose(out, theirs_model([query, value, key]), atol=1e-5)
+    key_padding = (np.arange(7)[None, :] < np.array([7, 4])[:, None])[:, None, :]
+    np.testing.assert_allclose(out, ours(query, value, key=key, attention_mask=key_padding), atol=1e-6)
+    assert not np.allclose(out, ours(query, value, key=key), atol=1e-3)  # the mask matters here
+
+
 def test_the_output_keeps_the_keras_mask_of_the_query():
     """A masked pooling after the attention averages the real query positions only."""
     ours, _, query, value = copied_pair(seed=9)
@@ -522,6 +538,12 @@ def test_keras_argument_names_give_the_layer_keras_gives(output_shape):
     np.testing.assert_allclose(sum(ours.losses), sum(theirs.losses), rtol=1e-6)  # the regularizers' penalty
     restored = MultiHeadAttention.from_config(ours.get_config())
     assert restored.get_config() == ours.get_config()
+    # The seed is in the config: two layers made from it drop the same attention weights.
+    copies = [MultiHeadAttention.from_config(ours.get_config()) for _ in range(2)]
+    for copy in copies:
+        copy(query, value)
+        copy.set_weights(weights)
+    np.testing.assert_array_equal(*(copy(query, value, training=True) for copy in copies))
 
 
 def test_a_training_step_with_regularizers_and_constraints_is_keras_layers_step():
