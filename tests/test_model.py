@@ -5,7 +5,7 @@ import pytest
 import keras
 import tensorflow as tf
 
-from keras_transformer import DecoderLayer, Encoder, EncoderLayer, Transformer
+from keras_transformer import Decoder, DecoderLayer, Encoder, EncoderLayer, Transformer
 
 VOCAB = 40
 
@@ -62,6 +62,32 @@ def test_extra_source_padding_does_not_change_the_logits(tiny_model):
     target = random_ids((2, 4), 3)
     padded = np.concatenate([source, np.zeros((2, 5), "int32")], axis=1)
     np.testing.assert_allclose(tiny_model((padded, target)), tiny_model((source, target)), atol=1e-5)
+
+
+def _layer_norm(x, epsilon):
+    """LayerNorm over the last axis with the initial gain 1 and bias 0, in NumPy."""
+    centered = x - x.mean(-1, keepdims=True)
+    return centered / np.sqrt((centered**2).mean(-1, keepdims=True) + epsilon)
+
+
+@pytest.mark.parametrize("stack_class", [Encoder, Decoder])
+def test_a_pre_ln_stack_is_its_blocks_then_a_final_layer_norm_and_gives_them_its_activation(stack_class):
+    """Pre-LN's residual stream is never normalised inside the blocks: the stack's final LayerNorm
+    does it. Stack arguments such as the feed-forward activation reach every block."""
+    keras.utils.set_random_seed(3)
+    stack = stack_class(num_layers=2, d_model=16, num_heads=4, d_ff=32, norm_first=True, activation="gelu",
+                        layer_norm_epsilon=1e-3)
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(2, 5, 16)).astype("float32") * 3.0
+    memory = (rng.normal(size=(2, 6, 16)).astype("float32"),) if stack_class is Decoder else ()
+    output = np.asarray(stack(x, *memory))
+    blocks_only = x
+    for block in stack.blocks:
+        assert block.activation == "gelu" and block.feed_forward.inner.activation is keras.activations.gelu
+        blocks_only = block(blocks_only, *memory)
+    np.testing.assert_allclose(output, _layer_norm(np.asarray(blocks_only), 1e-3), atol=1e-4)
+    restored = stack_class.from_config(stack.get_config())
+    assert all(block.activation == "gelu" for block in restored.blocks)
 
 
 def test_a_pad_id_other_than_0_is_the_source_padding_hidden_from_attention():
