@@ -479,6 +479,19 @@ def test_mimetic_init_draws_each_head_and_layer_apart_and_a_seed_repeats_it():
     assert restored.attention_init == "mimetic"
 
 
+def test_a_seeded_mimetic_layer_draws_its_query_key_and_value_output_noise_apart():
+    """The two pairs take the seed plus their index: with one seed, the value-output product's noise
+    would repeat the query-key products' (independent draws correlate by about 0.03)."""
+    layer = MultiHeadAttention(4, attention_init="mimetic", kernel_initializer=keras.initializers.GlorotUniform(seed=7))
+    x = np.zeros((1, 3, 32), "float32")
+    layer(x, x)
+    value_output = np.asarray(layer.value_kernel).reshape(32, 32) @ np.asarray(layer.output_kernel).reshape(32, 32)
+    noise = (value_output + 0.4 * np.eye(32)) / 0.4  # full rank: exactly 0.4 Z - 0.4 I
+    query_keys = np.einsum("dhk,ehk->hde", np.asarray(layer.query_kernel), np.asarray(layer.key_kernel))
+    off_diagonal = ~np.eye(32, dtype=bool)
+    assert _largest_correlation([noise[off_diagonal]] + [p[off_diagonal] for p in query_keys]) < 0.2
+
+
 def test_mimetic_init_refuses_keys_or_values_of_another_width():
     layer = MultiHeadAttention(4, attention_init="mimetic")
     with pytest.raises(ValueError, match="keys as wide as queries"):
