@@ -162,6 +162,22 @@ def test_tables_start_with_standard_deviation_d_model_to_the_minus_half(make_tab
     assert abs(table.mean()) < 0.1 * 64**-0.5  # centred: the standard error is 0.002 of it
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_the_transposed_embeddings_are_the_matrix_transposed_in_the_compute_dtype_unless_told(policy):
+    """What a decoding loop computes once and passes as `transposed_embeddings`: the same logits."""
+    import keras
+
+    layer = SharedEmbedding(11, 4, dtype=policy)
+    layer.build()
+    kernel = layer.transposed_embeddings()
+    assert keras.backend.standardize_dtype(kernel.dtype) == layer.compute_dtype and tuple(kernel.shape) == (4, 11)
+    np.testing.assert_array_equal(kernel, np.asarray(keras.ops.cast(layer.embeddings, layer.compute_dtype)).T)
+    assert keras.backend.standardize_dtype(layer.transposed_embeddings("float16").dtype) == "float16"
+    hidden = np.asarray(layer(np.array([[1, 5, 10]])))
+    given_kernel = layer(hidden, reverse=True, transposed_embeddings=kernel)
+    np.testing.assert_array_equal(given_kernel, layer(hidden, reverse=True))
+
+
 def test_bad_sizes_are_clear_errors():
     with pytest.raises(ValueError, match="vocab_size"):
         SharedEmbedding(0, 4)
