@@ -13,9 +13,19 @@ or, as an option, a learned one (the paper's Table 3, row E).
 """
 
 import math
+import numbers
 
 import keras
+import tensorflow as tf
 from keras import ops
+
+
+def _known_index(value):
+    """`value` as a Python int when it is known as the layer is called (a number, an eager or constant tensor)."""
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    known = tf.get_static_value(value) if tf.is_tensor(value) else None
+    return None if known is None else int(known)
 
 
 def sinusoidal_encoding(positions, d_model, dtype="float32"):
@@ -103,14 +113,16 @@ class PositionalEncoding(keras.layers.Layer):
 
     def call(self, inputs, start_index=0):
         length = inputs.shape[1]
-        if self.learned and isinstance(start_index, int) and length is not None:
-            if start_index + length > self.max_positions:
+        start = _known_index(start_index)
+        if self.learned and start is not None and length is not None:
+            if start + length > self.max_positions:
                 # A gather past the table fails on CPUs but clamps silently on GPUs and in XLA.
                 raise ValueError(
-                    f"Positions {start_index}..{start_index + length - 1} exceed the learned positional "
+                    f"Positions {start}..{start + length - 1} exceed the learned positional "
                     f"encodings' {self._max_positions_name} ({self.max_positions})."
                 )
-        positions = ops.arange(ops.shape(inputs)[1]) + start_index
+        # Keras makes a NumPy integer an int64 tensor, which int32 positions cannot be added to.
+        positions = ops.arange(ops.shape(inputs)[1]) + ops.cast(start_index, "int32")
         if self.learned:
             encoding = ops.take(self.position_embeddings, positions, axis=0)
         else:

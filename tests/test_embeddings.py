@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from keras_transformer import PositionalEncoding, SharedEmbedding
 
@@ -99,6 +100,18 @@ def test_positions_past_the_learned_table_are_a_clear_error():
     encode(layer, 6, 8)  # exactly the table
     with pytest.raises(ValueError, match="Positions 3..6 exceed .* max_length \\(6\\)"):
         encode(layer, 4, 8, start=3)
+    # A NumPy integer or an eager tensor passed unchecked (and a NumPy int64 failed to add to the positions).
+    for start in (np.int64(3), tf.constant(3)):
+        with pytest.raises(ValueError, match="Positions 3..6 exceed"):
+            encode(layer, 4, 8, start=start)
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_a_start_index_of_any_integer_type_encodes_as_a_python_int(learned):
+    layer = PositionalEncoding(learned=learned, max_positions=20)
+    expected = encode(layer, 5, 8, start=3)
+    for start in (np.int64(3), np.int32(3), tf.constant(3), tf.constant(3, tf.int64)):
+        np.testing.assert_allclose(encode(layer, 5, 8, start=start), expected, atol=1e-6)
 
 
 def test_shared_embedding_scales_lookups_and_ties_the_projection():
