@@ -637,6 +637,20 @@ def test_search_stops_once_no_alive_beam_can_win():
     assert result.lengths[0] == 40
 
 
+def test_on_an_exact_tie_the_hypothesis_that_finished_first_comes_first():
+    """P(EOS) = 1/4 at step 1 and P(2) * P(EOS | 2) = 1/2 * 1/2 at step 2: with alpha 0 the two outputs score
+    exactly alike, and the older one is kept ahead (documented: the merge lists older hypotheses first)."""
+    tables = np.full((1, 3, HASH_MODULUS, VOCAB), -1e9, "float32")
+    tables[0, 0, :, [2, EOS, 3]] = np.log([2.0, 1.0, 1.0])[:, None]
+    tables[0, 1, :, [EOS, 4]] = 0.0
+    tables[0, 2, :, EOS] = 0.0
+    both = run_search(tables, 2, 0.0, n_best=2, row_max_lengths=[3])
+    assert both.scores[0, 0] == both.scores[0, 1] == np.float32(np.log(0.25))  # the tie is exact
+    assert [list(both.tokens[0, k, : both.lengths[0, k]]) for k in range(2)] == [[EOS], [2, EOS]]
+    best = run_search(tables, 2, 0.0, n_best=1, row_max_lengths=[3])
+    assert list(best.tokens[0, 0, : best.lengths[0, 0]]) == [EOS]
+
+
 def test_more_slots_than_outputs_leaves_empty_slots_and_no_nan():
     tables = make_tables(seed=4)[:1]
     result = run_search(tables, 8, 0.6, n_best=8, row_max_lengths=[1])  # only VOCAB outputs exist
