@@ -60,7 +60,7 @@ __all__ = [
     "DEFAULT_MIN_LENGTH",
     "DEFAULT_XLA_MAX_BATCH",
     "EARLY_STOPPING",
-    "MAX_ALPHA",  # The module docstring promises every decoding name; MAX_ALPHA was left out.
+    "MAX_ALPHA",
     "MAX_BEAM_SIZE",
     "NEG_INF",
     "BeamState",
