@@ -562,6 +562,28 @@ def test_export_decodes_with_the_runs_settings_and_the_flags_given(run):
     )
 
 
+def test_export_passes_each_flag_on_to_the_export(run, tmp_path, monkeypatch):
+    """What `python -m export` asks of `saved_model.export_run` is what its flags say; --model-name (the name in
+    the warmup requests) could be dropped without any test failing."""
+    from keras_transformer import saved_model
+    from keras_transformer.cli import export
+
+    check_file = tmp_path / "check.en"
+    check_file.write_bytes(b"A dog.\r\nTwo cats.\nA bird.\n")
+    calls = []
+    monkeypatch.setattr(saved_model, "export_run", lambda *args, **kwargs: calls.append((args, kwargs)))
+    flags = ["--version", "3", "--checkpoint", "latest", "--model-name", "nmt", "--max-source-length", "32",
+             "--jit-compile", "--xla-max-batch", "8", "--check-file", str(check_file), "--check-lines", "2"]
+    assert export.main(["--run-dir", str(run), "--out", str(tmp_path / "models"), *flags]) == 0
+    [(args, kwargs)] = calls
+    assert args == (str(run), str(tmp_path / "models"))
+    assert {name: kwargs[name] for name in kwargs if name != "decoding"} == {
+        "version": 3, "which": "latest", "model_name": "nmt", "check_sentences": ["A dog.", "Two cats."],
+        "max_source_length": 32, "jit_compile": True, "xla_max_batch": 8,
+    }
+    assert kwargs["decoding"] == run_dir.decoding_settings(run)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "command, usage",
