@@ -208,6 +208,13 @@ def test_a_batch_holds_the_lines_that_have_arrived():
         assert list(batches) == [[b"bad \xff"]]
 
 
+def test_only_the_first_lines_byte_order_mark_is_dropped():
+    """An editor's mark starts a file, not a line: a later line's U+FEFF is passed on as the line holds it
+    (stripping it from every line passed every test)."""
+    stream = io.BytesIO(b"\xef\xbb\xbfA dog.\r\n\xef\xbb\xbfTwo cats.\n")
+    assert list(line_input.LineReader(stream)) == [b"A dog.", b"\xef\xbb\xbfTwo cats."]
+
+
 def test_batches_of_a_file_are_full():
     stream = io.BytesIO(b"".join(b"line %d\n" % index for index in range(70)))
     batches = list(line_input.arriving_batches(line_input.LineReader(stream), 32))
