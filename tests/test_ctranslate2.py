@@ -268,3 +268,28 @@ def test_the_check_keeps_sources_and_translations_within_learned_positions(multi
     ))
 
     assert checks[-1].startswith("CTranslate2 translates 4 sentences and scores their tokens as the in-process model")
+
+
+def test_the_check_refuses_a_model_directory_that_is_not_the_models(multi30k_tokenizer, tmp_path):
+    """The export's check scores with both and compares: given another model's weights than the directory's, it
+    must fail. One comparing CTranslate2's scores with themselves passed every test (each export checked was right).
+    """
+    def model(seed):
+        made = Transformer(
+            multi30k_tokenizer.vocab_size, num_layers=1, d_model=32, num_heads=4, d_ff=64, dropout_rate=0.0,
+            max_positions=64,
+        )
+        made.build()
+        rng = np.random.default_rng(seed)
+        for weight in made.weights:
+            weight.assign(weight.numpy() + rng.normal(0.0, 0.2, weight.shape).astype(weight.dtype))
+        return made
+
+    exported = model(0)
+    pieces = ctranslate2_export.vocabulary_pieces(multi30k_tokenizer.model_proto)
+    ctranslate2_export.export_model(exported, pieces, tmp_path)
+    sentences = list(ctranslate2_export.CHECK_SENTENCES)
+
+    assert list(ctranslate2_export.check_export(tmp_path, exported, multi30k_tokenizer, sentences))  # the truth passes
+    with pytest.raises(ctranslate2_export.ExportError, match="unlike the in-process model"):
+        list(ctranslate2_export.check_export(tmp_path, model(1), multi30k_tokenizer, sentences))
