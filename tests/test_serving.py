@@ -116,6 +116,70 @@ def test_rest_client_row_and_columnar_requests(rest_server, translator, sentence
         serving_client.translate_rest(rest_server, "no_such_model", sentences[:1])
 
 
+class RecordingHandler(PredictHandler):
+    """`PredictHandler` that also keeps each request's path, in `self.server.paths`."""
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        self.server.paths.append(self.path)
+        return super().do_POST()
+
+
+def test_a_version_asked_for_is_in_the_rest_path_and_the_grpc_model_spec(served, grpc_server, sentences, monkeypatch):
+    """TF Serving answers the version the request names (else its latest): the client CLI's --version must reach
+    the URL and the gRPC ModelSpec. Neither was looked at by any test's server."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RecordingHandler)
+    server.signatures, server.paths = served, []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for flags in ([], ["--version", "7"]):
+            assert client_cli.main(["--rest", url, "--model", MODEL_NAME, *flags, sentences[0]]) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert server.paths == [f"/v1/models/{MODEL_NAME}:predict", f"/v1/models/{MODEL_NAME}/versions/7:predict"]
+
+    from tensorflow_serving.apis import prediction_service_pb2_grpc
+
+    specs = []
+    real_stub = prediction_service_pb2_grpc.PredictionServiceStub
+
+    class RecordingStub:
+        def __init__(self, channel):
+            self._stub = real_stub(channel)
+
+        def Predict(self, request, **kwargs):  # noqa: N802 (the gRPC method name)
+            specs.append((request.model_spec.HasField("version"), request.model_spec.version.value))
+            return self._stub.Predict(request, **kwargs)
+
+    monkeypatch.setattr(prediction_service_pb2_grpc, "PredictionServiceStub", RecordingStub)
+    for flags in ([], ["--version", "7"]):
+        assert client_cli.main(["--grpc", grpc_server, "--model", MODEL_NAME, *flags, sentences[0]]) == 0
+    assert specs == [(False, 0), (True, 7)]
+
+
+def test_client_cli_scores_and_n_best_lines_are_their_sentences_across_batches(
+    rest_server, translator, sentences, capsys
+):
+    """--scores prints each sentence's score, and --n-best numbers the sentences on from batch to batch:
+    as the translator gives them. No test printed either."""
+    texts = sentences[:3]
+    expected = translate(translator.translate, texts)
+    flags = ["--rest", rest_server, "--model", MODEL_NAME, "--batch-size", "2"]
+    assert client_cli.main([*flags, "--scores", *texts]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert [translation for _, translation in rows] == [text.decode() for text in expected["translation"]]
+    np.testing.assert_allclose([float(score) for score, _ in rows], expected["score"], atol=1e-4)
+
+    n_best = translate(translator.translate_with_options, texts, beam_size=2, alpha=-1.0, max_length=0)
+    assert client_cli.main([*flags, "--n-best", "--beam-size", "2", *texts]) == 0
+    rows = [line.split(" ||| ") for line in capsys.readouterr().out.splitlines()]
+    assert [(int(index), translation) for index, translation, _ in rows] == [
+        (index, text.decode()) for index in range(3) for text in n_best["translations"][index]
+    ]
+    np.testing.assert_allclose([float(score) for *_, score in rows], n_best["scores"].ravel(), atol=1e-4)
+
+
 def test_client_cli_prints_translations(rest_server, translator, sentences, capsys):
     assert (
         client_cli.main(["--rest", rest_server, "--model", MODEL_NAME, sentences[0], sentences[1]]) == 0
