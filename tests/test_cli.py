@@ -160,9 +160,12 @@ def test_translate_says_that_xla_compiles_before_it_answers(run, multi30k_tokeni
     multi30k_tokenizer.save(run_dir.tokenizer_path(run))
     empty = tmp_path / "empty.en"
     empty.write_text("")
+    (tmp_path / "out").write_text("old translations\n")
     cli = load_translate_cli()
     assert cli.main(["--run-dir", str(run), *flags, "--input", str(empty), "--output", str(tmp_path / "out")]) == 0
     assert ("XLA compiles the search" in capsys.readouterr().err) == bool(flags)
+    # No input translates to no lines: --output is emptied at the end (keeping it passed every test).
+    assert (tmp_path / "out").read_text() == ""
 
 
 @pytest.mark.slow
