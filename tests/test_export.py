@@ -54,6 +54,32 @@ def test_export_writes_a_checked_version_in_tf_servings_layout(exported, tiny_tr
         saved_model.export_run(tiny_translation_run, version_dir.parent, version=1)
 
 
+class _OwnSettingsChanged:
+    """A translator as `verify_export` reads it, translating as `translator` but with other `DecodingSettings`."""
+
+    def __init__(self, translator, **settings):
+        self.tokenizer, self.jit_compile = translator.tokenizer, translator.jit_compile
+        self.translate = translator.translate
+        self.decoding = translator.decoding.replace(**settings)
+
+
+def test_the_exports_self_check_refuses_outputs_that_are_not_its_translators(exported, translator, served, sentences):
+    """Each comparison of the self-check fails on a difference of its own; one comparing a tensor with itself
+    passed every test (every export checked was right)."""
+    expected = translator.translate(tf.constant(sentences[:3]))
+    found = served["serving_default"](text=tf.constant(sentences[:3]))
+    saved_model._check_same(found, expected, "same")  # the truth passes
+    other_translation = {**found, "translation": tf.constant([b"x", *found["translation"].numpy()[1:]])}
+    with pytest.raises(saved_model.ExportError, match="^other: the translations differ"):
+        saved_model._check_same(other_translation, expected, "other")
+    with pytest.raises(saved_model.ExportError, match="^other: the scores differ"):
+        saved_model._check_same({**found, "score": found["score"] - 0.01}, expected, "other")
+    # serving_default translates as the translator; translate_with_options, asked for the translator's own
+    # settings, does not give what they give.
+    with pytest.raises(saved_model.ExportError, match=r"translate_with_options vs serving_default: the \w+ differ"):
+        list(saved_model.verify_export(exported[0], _OwnSettingsChanged(translator, alpha=0.0), sentences[:3]))
+
+
 def _while_loops(graph_def):
     """The number of while loops in `graph_def` and the functions of its library."""
     nodes = [*graph_def.node, *(node for function in graph_def.library.function for node in function.node_def)]
@@ -405,7 +431,9 @@ def eos_first_translator(tiny_translation_run):
     return Translator(model, run_dir.load_tokenizer(tiny_translation_run))
 
 
-def test_no_sentence_translates_to_an_empty_string_whichever_signature(eos_first_translator, sentences, tmp_path):
+def test_no_sentence_translates_to_an_empty_string_whichever_signature(
+    eos_first_translator, sentences, tmp_path, capsys
+):
     translator = eos_first_translator
     texts = sentences[:4] + [BAD_INPUTS[0]]
     saved_model.save_translator(translator, tmp_path / "eos_first")
@@ -421,6 +449,27 @@ def test_no_sentence_translates_to_an_empty_string_whichever_signature(eos_first
         # min_length=0 lets the model's EOS come first: the check above means something.
         empty = translate(options_fn, texts, beam_size=2, alpha=0.6, max_length=0, min_length=0)
         assert list(empty["translation"]) == [b""] * 5
+    # translate.py --min-length reaches the export's options signature (dropping it passed every test).
+    cli = load_translate_cli()
+    for flags, empty in (([], False), (["--min-length", "0"], True)):
+        assert cli.main(["--saved-model", str(tmp_path / "eos_first"), *flags, *sentences[:2]]) == 0
+        assert [line == "" for line in capsys.readouterr().out.splitlines()] == [empty, empty]
+
+
+def test_a_blank_line_has_an_empty_n_best_list_with_score_0_first(translator, served, sentences):
+    """As the signature table says: "" in every slot, 0.0 for the first and NEG_INF for the empty ones; its
+    neighbours translate as they do alone. Blank rows scored 0.0 in every slot passed every test."""
+    texts = [sentences[0], "", sentences[1], " \t "]
+    options = {"beam_size": 3, "alpha": 0.6, "max_length": 0}
+    for signature in (translator.translate_with_options, served["translate_with_options"]):
+        found = translate(signature, texts, **options)
+        alone = translate(signature, [sentences[0], sentences[1]], **options)
+        for blank in (1, 3):
+            assert found["translation"][blank] == b"" and found["score"][blank] == 0.0
+            assert list(found["translations"][blank]) == [b""] * 3
+            assert list(found["scores"][blank]) == [0.0, decoding.NEG_INF, decoding.NEG_INF]
+        np.testing.assert_array_equal(found["translations"][[0, 2]], alone["translations"])
+        np.testing.assert_allclose(found["scores"][[0, 2]], alone["scores"], rtol=1e-5)
 
 
 def test_line_ends_tabs_and_outer_spaces_do_not_change_a_translation(served, sentences):
@@ -677,6 +726,29 @@ def test_translate_cli_with_a_saved_model_and_with_a_run_dir(
     )
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(line.startswith("0 ||| ") for line in lines)
+
+
+def test_translate_cli_scores_and_n_best_lines_are_their_sentences_across_batches(
+    exported, translator, sentences, capsys
+):
+    """--scores prints each line's own score, and --n-best numbers the sentences on from batch to batch, with
+    each hypothesis's score: as the translator gives them. Neither was checked beyond one sentence."""
+    cli = load_translate_cli()
+    texts = sentences[:3]
+    expected = translate(translator.translate, texts)
+    assert cli.main(["--saved-model", str(exported[0]), "--scores", "--batch-size", "2", *texts]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert [translation for _, translation in rows] == [text.decode() for text in expected["translation"]]
+    np.testing.assert_allclose([float(score) for score, _ in rows], expected["score"], atol=1e-4)
+
+    n_best = translate(translator.translate_with_options, texts, beam_size=2, alpha=-1.0, max_length=0)
+    flags = ["--n-best", "--beam-size", "2", "--batch-size", "2"]
+    assert cli.main(["--saved-model", str(exported[0]), *flags, *texts]) == 0
+    rows = [line.split(" ||| ") for line in capsys.readouterr().out.splitlines()]
+    assert [(int(index), translation) for index, translation, _ in rows] == [
+        (index, text.decode()) for index in range(3) for text in n_best["translations"][index]
+    ]
+    np.testing.assert_allclose([float(score) for *_, score in rows], n_best["scores"].ravel(), atol=1e-4)
 
 
 def test_translate_cli_says_when_the_saved_model_refuses_a_beam_size(exported, sentences, capsys):
