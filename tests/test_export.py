@@ -54,6 +54,23 @@ def test_export_writes_a_checked_version_in_tf_servings_layout(exported, tiny_tr
         saved_model.export_run(tiny_translation_run, version_dir.parent, version=1)
 
 
+@pytest.mark.parametrize("failing", ["save_translator", "verify_export"])
+def test_an_export_that_fails_leaves_no_version_and_no_staging_directory(tiny_translation_run, tmp_path, monkeypatch,
+                                                                         failing):
+    """TF Serving serves any numbered directory it finds: a failed attempt, at the save or at the checks, must
+    leave no version and no staging directory behind (nor keep its number from the next export)."""
+    def fail(*args, **kwargs):
+        raise saved_model.ExportError("refused")
+
+    monkeypatch.setattr(saved_model, "save_translator", lambda translator, path: (Path(path) / "saved_model.pb")
+                        .write_bytes(b"not checked yet"))
+    monkeypatch.setattr(saved_model, failing, fail)
+    with pytest.raises(saved_model.ExportError, match="^refused$"):
+        saved_model.export_run(tiny_translation_run, tmp_path / "model", version=3, log=lambda line: None)
+    assert list((tmp_path / "model").iterdir()) == []
+    assert saved_model.next_version(tmp_path / "model") == 1
+
+
 class _OwnSettingsChanged:
     """A translator as `verify_export` reads it, translating as `translator` but with other `DecodingSettings`."""
 
