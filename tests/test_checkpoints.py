@@ -94,3 +94,23 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path):
         data_file.truncate(100)
     with pytest.raises(run_dir.RunDirError, match=f"Checkpoint {path} does not fit .* damaged file"):
         run_dir.load_model(tmp_path, "latest")
+
+
+def test_checkpoints_are_ordered_by_step_number_not_by_name(tmp_path):
+    """ckpt-9, ckpt-10, ckpt-100: by name, ckpt-9 would be the newest and ckpt-10 the oldest."""
+    model = Transformer.from_preset("tiny", vocab_size=50)
+    model.build()
+    run_dir.write_config(tmp_path, {"model": run_dir.model_config(model)})
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(tmp_path / "checkpoints"), 5)
+    for step in (9, 10, 100):
+        for variable in model.trainable_variables:
+            variable.assign(np.full(variable.shape, step, "float32"))
+        manager.save(checkpoint_number=step)
+
+    found = run_dir.checkpoints(tmp_path / run_dir.CHECKPOINT_DIR)
+    assert [run_dir.checkpoint_step(path) for path in found] == [9, 10, 100]
+    assert run_dir.checkpoint_path(tmp_path, "latest") == found[-1]
+    path, averaged = run_dir.average_checkpoints(tmp_path, 2)
+    assert Path(path).name == "ckpt-100" and averaged == found[1:]
+    for variable in run_dir.load_model(tmp_path, "best").trainable_variables:
+        np.testing.assert_allclose(variable.numpy(), (10 + 100) / 2, rtol=1e-6, err_msg=variable.path)
