@@ -182,6 +182,17 @@ def test_a_files_precision_reason_is_not_a_resumed_runs(tmp_path):
     assert (settings.mixed_precision, settings.precision_reason) == ("bf16", "auto: this machine's bf16 speed")
 
 
+@pytest.mark.parametrize("saved", ["bf16", "none"])
+def test_auto_given_to_a_run_keeps_the_precision_it_chose(tmp_path, saved):
+    """--mixed-precision auto (or a file's auto) resumes a run in the precision its start chose, for its reason."""
+    reason = f"auto: this machine's choice, {saved}"
+    run = _saved_run(tmp_path / "run", mixed_precision=saved, precision_reason=reason)
+    config = _write(tmp_path / "auto.json", {"train": {"mixed_precision": "auto"}})
+    for flags in (["--mixed-precision", "auto"], ["--config", str(config)]):
+        settings = _resolve("--run-dir", str(run), *flags)
+        assert (settings.mixed_precision, settings.precision_reason) == (saved, reason), flags
+
+
 def test_a_start_interrupted_before_its_model_keeps_its_dropout_and_attention_init(tmp_path, capsys):
     """config.json as a start interrupted after its vocabulary leaves it: no architecture yet, every setting."""
     run = tmp_path / "run"
