@@ -51,6 +51,18 @@ def test_the_average_is_kept_only_if_it_translates_the_validation_set_better(tmp
     assert (tmp_path / run_dir.AVERAGED_DIR).exists() == (better == "averaged")
 
 
+def test_an_average_that_translates_as_well_as_the_latest_is_kept(tmp_path, monkeypatch):
+    """"At least as well": on a tie (both translate alike), the average stays the run's model."""
+    checkpointed_run(tmp_path, (100, 200))  # tiny's checkpoints: every 100 steps
+    fake_translations(monkeypatch, winner="neither")  # Both checkpoints translate "nichts".
+    settings = run_settings.layered(
+        {"preset": "tiny", "average_last": 2, "bleu_sentences": len(PAIRS), "beam_size": 1, "alpha": 0.6,
+         "max_length": 16}
+    )
+    training_run.average_if_better(tmp_path, validation_corpus(), settings)
+    assert run_dir.checkpoint_path(tmp_path, "best") == run_dir.checkpoint_path(tmp_path, "averaged")
+
+
 def test_average_only_needs_no_data_directory(tmp_path):
     """A --dataset files run averages without --data-dir: averaging reads no data."""
     for step in (100, 200):  # tiny's checkpoints: every 100 steps
