@@ -213,6 +213,13 @@ def test_fewer_steps_than_the_run_trained_are_refused_before_anything_is_written
     assert _snapshot(existing_run) == before
 
 
+def test_as_many_steps_as_the_run_trained_are_its_length(existing_run):
+    """What a time-budget stop advises (--train-steps STEP, to evaluate the run as it stands) is not refused."""
+    args = train_cli.build_parser().parse_args(["--run-dir", str(existing_run), "--train-steps", "100"])
+    settings, _, _ = train_cli.resolve_settings(args)
+    assert (settings.train_steps, settings.epochs) == (100, None)
+
+
 def test_fewer_epochs_than_the_run_trained_are_refused_before_anything_is_written(existing_run, multi30k_dir,
                                                                                   capsys):
     """--epochs counts its steps once the data is read: a length under the 100 trained is refused as --train-steps."""
