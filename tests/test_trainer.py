@@ -309,6 +309,23 @@ def test_progress_lines_show_no_speed_for_steps_that_only_traced(tmp_path, caplo
     assert re.search(r"\| [\d,]+ tok/s \|", lines[1]) and re.search(r"\| ETA \d+s$", lines[1]), lines[1]
 
 
+def test_the_last_step_ends_a_progress_line_off_the_log_every_schedule(tmp_path, caplog):
+    """3 steps, a line every 2: steps 1-2, then step 3 alone, with its gradient norm, in the log and the summaries."""
+    trainer = Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dtype=dtype),
+        tmp_path / "run",
+        TrainingConfig(train_steps=3, warmup_steps=20, log_every=2),
+    )
+    with caplog.at_level("INFO", logger="keras_transformer.trainer"):
+        trainer.fit(synthetic_pairs_dataset)
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 2/3", "step 3/3"], lines
+    assert re.search(r"\| grad norm \d+\.\d\d \|", lines[1]), lines[1]
+    scalars = run_dir.read_scalars(tmp_path / "run" / run_dir.LOG_DIR / "train")
+    assert [step for step, _, _ in scalars["loss"]] == [step for step, _, _ in scalars["grad_norm"]] == [2, 3]
+
+
 def _logged(caplog):
     """The trainer's log messages, and its progress lines among them."""
     messages = [record.getMessage() for record in caplog.records]
