@@ -666,6 +666,27 @@ def test_an_epochs_run_keeps_its_length_on_another_number_of_replicas(tmp_path, 
     assert training_run.steps_for_epochs(tmp_path, corpus, multi30k_tokenizer, recorded, 1) == on_two
 
 
+def test_a_part_of_an_epoch_is_one_more_step(tmp_path, multi30k_dir, multi30k_tokenizer):
+    """--epochs that end inside a step take that step: epochs worth 2.5 batches (on 1 replica) are 3 steps, not 2."""
+    from types import SimpleNamespace
+
+    from keras_transformer import data
+    from keras_transformer.corpora import load_multi30k
+
+    corpus = SimpleNamespace(train=load_multi30k(multi30k_dir).train[:500])
+    settings = run_settings.layered({"preset": "tiny", "vocab_size": multi30k_tokenizer.vocab_size})
+    batches = int(
+        data.make_training_dataset(
+            corpus.train, multi30k_tokenizer, token_budget=settings.token_budget, max_length=settings.max_length,
+            seed=settings.seed,
+        ).reduce(0, lambda count, _: count + 1)
+    )
+    half = batches // 2
+    epochs = (half + 0.5) / batches  # half and a half batches
+    steps = training_run.steps_for_epochs(tmp_path, corpus, multi30k_tokenizer, settings.replace(epochs=epochs), 1)
+    assert steps == half + 1
+
+
 def test_an_epoch_on_two_workers_is_a_pass_over_each_workers_shard(tmp_path, multi30k_dir, multi30k_tokenizer):
     """Counted as the batches of the whole corpus, it was fewer steps than either shard has batches."""
     from types import SimpleNamespace
