@@ -332,6 +332,15 @@ def test_the_default_recipe_stops_after_its_steps_not_on_time():
     assert _resolve("--run-dir", "unused", "--max-minutes", "5").max_minutes == 5.0
 
 
+def test_max_minutes_0_lifts_a_recipes_time_budget():
+    """--max-minutes 0 is no budget (its help says so): medium's 57 minutes are lifted, and the trainer has none."""
+    assert RECIPES["medium"].training["max_minutes"] > 0
+    settings = _resolve("--run-dir", "unused", "--preset", "medium", "--max-minutes", "0")
+    assert settings.max_minutes is None
+    # `auto` is resolved when a run starts.
+    assert settings.replace(mixed_precision="none").training_config().max_minutes is None
+
+
 @pytest.mark.parametrize("preset", sorted(RECIPES))
 def test_a_preset_is_its_recipe_for_the_model_the_flags_the_trainer_and_the_search(preset):
     """--preset NAME takes everything from RECIPES[NAME]: the parser's choices, the run's settings, the model."""
