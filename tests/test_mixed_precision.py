@@ -97,3 +97,30 @@ def test_a_run_resumed_in_another_precision_than_float16s_says_so(tmp_path, grap
     assert said in message and "another architecture" not in message, message
     assert message.endswith("resume it in the precision it was trained in."), message
     assert _precision_trainer(run, "none" if trained == "bf16" else trained, train_steps=4).restore() == 2
+
+
+def test_the_logged_gradient_norm_of_float16_is_unscaled(tmp_path, grappler_remapping):
+    """The gradients of a loss-scaled step are the scale (2^15 at first) times the true ones: the logged
+    norm is divided by it, and so matches float32's norm of the same first step (same weights, no dropout)."""
+    reference = Transformer.from_preset("tiny", vocab_size=50, dropout_rate=0.0)
+    reference.build()
+    initial = [variable.numpy() for variable in reference.trainable_variables]
+
+    def model_fn(dtype):
+        model = Transformer.from_preset("tiny", vocab_size=50, dropout_rate=0.0, dtype=dtype)
+        model.build()
+        for variable, value in zip(model.trainable_variables, initial, strict=True):
+            variable.assign(value)
+        return model
+
+    norms = {}
+    for mixed_precision in ("none", "fp16"):
+        run = tmp_path / mixed_precision
+        config = TrainingConfig(train_steps=1, warmup_steps=20, log_every=1, mixed_precision=mixed_precision)
+        trainer = Trainer(distribution.make_strategy(["CPU:0"]), model_fn, run, config)
+        trainer.fit(synthetic_pairs_dataset)
+        if mixed_precision == "fp16":
+            assert int(trainer.optimizer.iterations) == 1  # The step was applied, not skipped for an overflow.
+            assert float(trainer.optimizer.scale_loss(1.0)) > 1000.0
+        norms[mixed_precision] = training_losses(run, tag="grad_norm")[1]
+    assert norms["fp16"] == pytest.approx(norms["none"], rel=0.05)
