@@ -138,6 +138,22 @@ def test_a_file_chooses_the_preset_and_with_it_the_recipe_and_run_directory(tmp_
     assert run == Path("runs") / "multi30k-tiny"
 
 
+def test_a_flag_over_the_files_preset_chooses_the_recipe_and_run_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = _write(tmp_path / "exp.json", {"train": {"preset": "tiny"}})
+    args = train_cli.build_parser().parse_args(["--config", str(config), "--preset", "medium"])
+    settings, run, _ = train_cli.resolve_settings(args)
+    assert settings.preset == "medium" and settings.train_steps == RECIPES["medium"].training["train_steps"]
+    assert run == Path("runs") / "multi30k-medium"
+
+
+def test_a_precision_flag_given_to_a_run_drops_the_reason_its_start_logged(tmp_path):
+    """The run computes in bf16 now because the flag says so, not for what `auto` measured at its start."""
+    run = _saved_run(tmp_path / "run", mixed_precision="bf16", precision_reason="auto: this machine's bf16 speed")
+    settings = _resolve("--run-dir", str(run), "--mixed-precision", "bf16")
+    assert (settings.mixed_precision, settings.precision_reason) == ("bf16", None)
+
+
 def test_steps_in_a_file_replace_the_runs_epochs(tmp_path):
     run = _saved_run(tmp_path / "run", epochs=2.0, train_steps=600)
     assert _resolve("--run-dir", str(run)).epochs == 2.0
