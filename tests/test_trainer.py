@@ -155,6 +155,26 @@ def test_the_trainer_counts_and_scores_the_tokens_that_are_not_the_models_pad_id
     assert float(metrics["correct"]) == (label_logits >= logits.max(-1))[real].sum()
 
 
+def test_a_fresh_run_trains_first_on_the_first_batch_of_its_stream(tmp_path):
+    """Step 1's loss is the untrained model's loss on batch 0 of `dataset_fn`'s epoch, not on a later batch."""
+    from keras_transformer.losses import label_smoothed_cross_entropy
+
+    trainer = Trainer(
+        distribution.make_strategy(["CPU:0"]),
+        lambda dtype: Transformer.from_preset("tiny", vocab_size=50, dropout_rate=0.0, dtype=dtype),
+        tmp_path / "run",
+        TrainingConfig(train_steps=1, warmup_steps=20, log_every=1),
+    )
+    losses = []
+    for (source_ids, decoder_inputs), labels in synthetic_pairs_dataset(None).take(2):
+        logits = trainer.model((source_ids, decoder_inputs), training=False)
+        loss_sum, tokens = label_smoothed_cross_entropy(labels, logits, 0.1, pad_id=trainer.model.pad_id)
+        losses.append(float(loss_sum / tokens))
+    assert abs(losses[0] - losses[1]) > 1e-4 * losses[0]  # The batches tell apart.
+    trainer.fit(synthetic_pairs_dataset)
+    assert training_losses(tmp_path / "run")[1] == pytest.approx(losses[0], rel=1e-5)
+
+
 # --- Validations -------------------------------------------------------------------------
 
 
