@@ -391,6 +391,15 @@ def test_a_time_budget_stop_logs_the_steps_since_the_last_progress_line(tmp_path
     assert [step for step, _, _ in run_dir.read_scalars(tmp_path / "run" / run_dir.LOG_DIR / "train")["loss"]] == [3]
 
 
+def test_a_time_budget_running_out_with_the_last_step_is_no_early_stop(tmp_path, monkeypatch):
+    """The budget spent after step 2 of 2: the run is complete, and train.py must not advise running it on."""
+    trainer = _cooldown_trainer(tmp_path / "run", 0.0, train_steps=2, max_minutes=60)
+    checks = iter(range(3))  # 0: the check before the first step
+    monkeypatch.setattr(trainer, "_time_used", lambda started: float(next(checks) == 2))
+    result = trainer.fit(synthetic_pairs_dataset)
+    assert (result.step, result.stopped_early) == (2, False)
+
+
 def test_an_interruption_as_a_step_returns_is_labelled_with_the_saved_step(tmp_path, caplog, monkeypatch):
     """Python raises KeyboardInterrupt once the step's TensorFlow call returns, before the loop counts the step."""
     trainer = _interval_trainer(tmp_path / "run")
