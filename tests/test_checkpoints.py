@@ -15,16 +15,22 @@ from keras_transformer import run_dir
 from keras_transformer.model import Transformer
 
 
-def test_averaging_the_last_checkpoints(tmp_path):
-    """`average_checkpoints` writes the mean of the kept checkpoints' weights."""
+def _run_with_constant_checkpoints(run, steps, keep):
+    """A tiny model's run whose checkpoint of each step holds that step in every weight; returns its manager."""
     model = Transformer.from_preset("tiny", vocab_size=50)
     model.build()
-    run_dir.write_config(tmp_path, {"model": run_dir.model_config(model)})
-    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(tmp_path / "checkpoints"), 3)
-    for step in (10, 20, 30):
+    run_dir.write_config(run, {"model": run_dir.model_config(model)})
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(run / "checkpoints"), keep)
+    for step in steps:
         for variable in model.trainable_variables:
             variable.assign(np.full(variable.shape, step, "float32"))
         manager.save(checkpoint_number=step)
+    return manager
+
+
+def test_averaging_the_last_checkpoints(tmp_path):
+    """`average_checkpoints` writes the mean of the kept checkpoints' weights."""
+    manager = _run_with_constant_checkpoints(tmp_path, (10, 20, 30), keep=3)
     path, averaged = run_dir.average_checkpoints(tmp_path, 2)
     assert Path(path).name == "ckpt-30" and [Path(p).name for p in averaged] == ["ckpt-20", "ckpt-30"]
     loaded = run_dir.load_model(tmp_path, "best")
@@ -98,14 +104,7 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path):
 
 def test_checkpoints_are_ordered_by_step_number_not_by_name(tmp_path):
     """ckpt-9, ckpt-10, ckpt-100: by name, ckpt-9 would be the newest and ckpt-10 the oldest."""
-    model = Transformer.from_preset("tiny", vocab_size=50)
-    model.build()
-    run_dir.write_config(tmp_path, {"model": run_dir.model_config(model)})
-    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(tmp_path / "checkpoints"), 5)
-    for step in (9, 10, 100):
-        for variable in model.trainable_variables:
-            variable.assign(np.full(variable.shape, step, "float32"))
-        manager.save(checkpoint_number=step)
+    _run_with_constant_checkpoints(tmp_path, (9, 10, 100), keep=5)
 
     found = run_dir.checkpoints(tmp_path / run_dir.CHECKPOINT_DIR)
     assert [run_dir.checkpoint_step(path) for path in found] == [9, 10, 100]
