@@ -13,19 +13,10 @@ or, as an option, a learned one (the paper's Table 3, row E).
 """
 
 import math
-import numbers
 
 import keras
 import tensorflow as tf
 from keras import ops
-
-
-def _known_index(value):
-    """`value` as a Python int when it is known as the layer is called (a number, an eager or constant tensor)."""
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    known = tf.get_static_value(value) if tf.is_tensor(value) else None
-    return None if known is None else int(known)
 
 
 def sinusoidal_encoding(positions, d_model, dtype="float32"):
@@ -113,7 +104,7 @@ class PositionalEncoding(keras.layers.Layer):
 
     def call(self, inputs, start_index=0):
         length = inputs.shape[1]
-        start = _known_index(start_index)
+        start = tf.get_static_value(start_index)  # Known now: a number, an eager or a constant tensor.
         if self.learned and start is not None and length is not None:
             if start + length > self.max_positions:
                 # A gather past the table fails on CPUs but clamps silently on GPUs and in XLA.
