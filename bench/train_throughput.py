@@ -207,6 +207,8 @@ def _zero_attention_dropout(mha):
 
 def build_model(impl: str, preset: str, vocab_size: int, build: bool = True):
     config = get_preset(preset)
+    # How our attention's weights start: KerasHub's layers have no such choice, and it costs nothing per step.
+    config.pop("attention_init", None)
     if impl == "ours":
         model = Transformer.from_preset(preset, vocab_size)
     elif impl == "peer":
