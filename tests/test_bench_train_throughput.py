@@ -1,4 +1,4 @@
-"""bench/train_throughput.py's peer: KerasHub's layers in our architecture, for every preset."""
+"""bench/train_throughput.py's peer: KerasHub's layers in our architecture, for presets that choose an attention start."""
 
 import sys
 from pathlib import Path
@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small", "medium"])
+@pytest.mark.parametrize("preset", ["tiny", "small", "medium"])  # tiny: none, small and medium: mimetic
 def test_the_peer_builds_our_architecture_for_presets_that_choose_an_attention_start(preset):
     """A preset's attention_init (small's and medium's: mimetic) only sets our start: the peer still builds.
 
