@@ -1,4 +1,4 @@
-"""bench/train_throughput.py's peer: KerasHub's layers in our architecture, for presets that choose an attention start."""
+"""bench/train_throughput.py's peer: KerasHub's layers in our architecture, whatever start a preset chooses."""
 
 import sys
 from pathlib import Path
