@@ -8,11 +8,16 @@ What differs is chosen here:
   synchronous data parallelism across machines (each over its local GPUs).
 * an explicit `devices` list -> `MirroredStrategy` over them (one device:
   `OneDeviceStrategy`). CPU devices beyond the first are logical devices split off the
-  one physical CPU (`split_cpu`), which is how the tests run two replicas on a CPU.
-  Every device must exist: a GPU that TensorFlow does not see, or a CPU device beyond
-  the split, is an error rather than a silent run on another device.
+  one physical CPU (`split_cpu`). Every device must exist: a GPU that TensorFlow does not
+  see, or a CPU device beyond the split, is an error rather than a silent run on another
+  device.
 * otherwise -> `MirroredStrategy` over all local GPUs, or `OneDeviceStrategy` on the only
-  GPU or on the CPU.
+  GPU; without GPUs, `cpu_replicas` replicas that split the CPU (one: `OneDeviceStrategy`
+  on the CPU).
+
+Why split a CPU for speed: a step of a small model is many small ops, which TensorFlow's
+intra-op threads share out poorly; replicas that each run their own batch's ops on their
+share of the cores keep every core busy (see docs/performance.md).
 
 `MultiWorkerMirroredStrategy` and `split_cpu` must run before TensorFlow initializes its
 devices, i.e. before any other TensorFlow op: call `make_strategy` first thing.
@@ -29,9 +34,12 @@ logger = logging.getLogger(__name__)
 
 
 def split_cpu(num_devices):
-    """Splits the physical CPU into `num_devices` logical devices `/cpu:0 .. /cpu:N-1`.
+    """Splits the physical CPU into `num_devices` logical devices `/cpu:0 .. /cpu:N-1`, sharing out its cores.
 
-    They share the same cores, so this is for testing multi-replica code, not for speed.
+    The devices share one pool of intra-op threads, so the pool is cut to each device's
+    share of the cores (at least one thread), and the inter-op pool given a thread per
+    device at least, so that the replicas' ops run side by side; a size that
+    `TF_NUM_INTRAOP_THREADS`, `TF_NUM_INTEROP_THREADS` or `tf.config.threading` set stays.
 
     Args:
         num_devices: How many logical CPU devices to create.
@@ -52,6 +60,18 @@ def split_cpu(num_devices):
             f"Cannot split the CPU into {num_devices} devices: TensorFlow already initialized its "
             f"devices ({error}). Create the strategy before running any TensorFlow op."
         ) from None
+    _share_threads(num_devices)
+
+
+def _share_threads(num_devices):
+    """Cuts TensorFlow's thread pools for `num_devices` replicas on a CPU (see `split_cpu`); sizes already set stay."""
+    threading = tf.config.threading
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not (threading.get_intra_op_parallelism_threads() or os.environ.get("TF_NUM_INTRAOP_THREADS")):
+        threading.set_intra_op_parallelism_threads(max(1, cores // num_devices))
+    # TensorFlow's default inter-op pool has a thread per core.
+    if not (threading.get_inter_op_parallelism_threads() or os.environ.get("TF_NUM_INTEROP_THREADS")):
+        threading.set_inter_op_parallelism_threads(max(cores, num_devices))
 
 
 def cluster_task_count(tf_config=None):
@@ -81,12 +101,14 @@ def cluster_task_count(tf_config=None):
     return sum(len(tasks) for tasks in jobs)
 
 
-def make_strategy(devices=None):
+def make_strategy(devices=None, cpu_replicas=1):
     """The strategy for this process; see the module docstring for the rules.
 
     Args:
         devices: Optional device names, e.g. `["GPU:0", "GPU:1"]` or `["CPU:0", "CPU:1"]`.
             Ignored (must be None) under a multi-worker `TF_CONFIG`.
+        cpu_replicas: Without `devices`, a multi-worker `TF_CONFIG` or GPUs: how many
+            replicas split the CPU (see `split_cpu`).
 
     Returns:
         A `tf.distribute.Strategy`.
@@ -106,6 +128,9 @@ def make_strategy(devices=None):
         if cpu_count > 1:
             split_cpu(max(int(name.split(":")[1]) for name in devices if name.startswith("/cpu:")) + 1)
         _check_devices_exist(devices)
+    elif not tf.config.get_visible_devices("GPU") and cpu_replicas > 1:
+        split_cpu(cpu_replicas)
+        devices = [f"/cpu:{index}" for index in range(cpu_replicas)]
     else:
         gpus = tf.config.list_logical_devices("GPU")
         devices = [gpu.name for gpu in gpus] or ["/cpu:0"]

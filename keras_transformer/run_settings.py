@@ -168,6 +168,7 @@ class RunSettings:
     label_smoothing: float = _setting(probability, pinned=True)
     mixed_precision: str = _setting(precision.CHOICES, pinned=True)
     jit_compile: bool = _setting(bool)
+    cpu_replicas: int = _setting(positive_int)
     train_steps: int = _setting(positive_int)
     epochs: float = _setting(positive_float, nullable=True)
     max_minutes: float = _setting(non_negative_float, nullable=True)
@@ -255,7 +256,7 @@ def defaults(preset, dataset):
         vocab_size=corpus.vocab_size, max_length=corpus.max_length, long_sentences="filter",
         seed=0, dropout=recipe.model["dropout_rate"], attention_init=recipe.model.get("attention_init", "independent"),
         cooldown=0.0, label_smoothing=0.1, mixed_precision=precision.AUTO,
-        jit_compile=False, epochs=None, patience=0, replicas=None, workers=None, precision_reason=None,
+        jit_compile=False, cpu_replicas=1, epochs=None, patience=0, replicas=None, workers=None, precision_reason=None,
         beam_size=recipe.decoding.beam_size, alpha=recipe.decoding.alpha,
     )
     return {**general, **recipe.training}
@@ -302,6 +303,8 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
     if saved_config is None:
         _check_no_orphan_state(run)
     saved = {} if saved_config is None else saved_settings(saved_config, run / run_dir.CONFIG_FILE)
+    if saved_config is not None:
+        saved.setdefault("cpu_replicas", 1)  # A run of an earlier version, which trained on one CPU replica.
     _check_pinned(requested, saved, explicit, run, config_file)
     settings = layered(saved, from_file, explicit)
     if settings.mixed_precision == precision.AUTO and "mixed_precision" in saved:
@@ -685,7 +688,7 @@ def check_replicas(run, settings, replicas):
     """
     return _check_recorded_count(
         run, settings, settings.replicas, replicas, "replica", "as the global batch and the data order depend on it",
-        "--devices",
+        "--devices and --cpu-replicas",
     )
 
 

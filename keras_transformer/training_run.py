@@ -64,7 +64,7 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
         SettingsError: For settings the data or the devices refuse.
     """
     try:
-        strategy = make_strategy(devices, connect_timeout_minutes)
+        strategy = make_strategy(devices, settings.cpu_replicas, connect_timeout_minutes)
     except ValueError as error:
         raise SettingsError(f"--devices {','.join(devices)}: {error}" if devices else str(error)) from None
     # A multi-worker strategy starts TensorFlow's coordination service, whose own SIGTERM
@@ -181,11 +181,11 @@ def choose_precision(settings, strategy):
     return settings
 
 
-def make_strategy(devices, connect_timeout_minutes):
+def make_strategy(devices, cpu_replicas, connect_timeout_minutes):
     """The strategy; with a multi-worker TF_CONFIG, waiting at most `connect_timeout_minutes` for the others."""
     workers = distribution.cluster_task_count()
     if workers < 2:
-        return distribution.make_strategy(devices)
+        return distribution.make_strategy(devices, cpu_replicas)
     logger.info("Waiting for all %d workers of TF_CONFIG to start; after %g minutes (--connect-timeout-minutes) "
                 "this worker gives up with exit status 1 ...", workers, connect_timeout_minutes)
     # MultiWorkerMirroredStrategy() waits for the others in TensorFlow's C++ code, silently,

@@ -189,6 +189,37 @@ def test_only_cpu_strategies_count_as_cpu_only():
     assert not distribution.runs_on_cpus_only(tf.distribute.MirroredStrategy(["/gpu:0", "/cpu:0"]))
 
 
+_CPU_REPLICAS_SCRIPT = """
+import os, sys
+import tensorflow as tf
+from keras_transformer import distribution
+strategy = distribution.make_strategy(cpu_replicas=int(sys.argv[1]))
+print(strategy.num_replicas_in_sync, tf.config.threading.get_intra_op_parallelism_threads(),
+      tf.config.threading.get_inter_op_parallelism_threads(), len(os.sched_getaffinity(0)))
+print(*sorted(tf.DeviceSpec.from_string(d).to_string() for d in strategy.extended.worker_devices))
+"""
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_cpu_replicas_split_the_cpu_and_share_out_its_cores(replicas):
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("--cpu-replicas applies only where there is no GPU")
+    result = run_command([sys.executable, "-c", _CPU_REPLICAS_SCRIPT, str(replicas)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts, devices = result.stdout.strip().splitlines()[-2:]
+    got_replicas, intra, inter, cores = map(int, counts.split())
+    assert (got_replicas, intra, inter) == (replicas, max(1, cores // replicas), max(cores, replicas))
+    assert devices.split() == [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(replicas)]
+
+
+def test_thread_pools_sized_by_the_environment_stay_as_they_are():
+    result = run_command([sys.executable, "-c", _CPU_REPLICAS_SCRIPT, "2"],
+                         env={"TF_NUM_INTRAOP_THREADS": "3", "TF_NUM_INTEROP_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    got_replicas, intra, inter, _ = map(int, result.stdout.strip().splitlines()[-2].split())
+    assert (got_replicas, intra, inter) == (2, 0, 0)  # 0: not set through tf.config; TensorFlow reads the variables
+
+
 def test_devices_that_do_not_exist_are_refused():
     """This process never split its CPU: CPU:1 does not exist; nor does a GPU on a machine without one."""
     with pytest.raises(ValueError, match="Device CPU:1 does not exist: this process has 1 CPU device"):

@@ -637,6 +637,31 @@ def test_resuming_on_another_number_of_replicas_is_one_line_in_a_real_process(ex
 
 
 @pytest.mark.slow
+def test_cpu_replicas_split_the_cpu_and_a_resume_on_another_number_is_one_line(existing_run):
+    """The run trained 100 of its 200 steps on 1 replica; --cpu-replicas 2 makes this command's strategy 2."""
+    config = run_dir.read_config(existing_run)
+    config["train"]["replicas"] = 1
+    run_dir.write_config(existing_run, config)
+    before = _snapshot(existing_run)
+    result = run_command([sys.executable, "train.py", "--run-dir", str(existing_run), "--cpu-replicas", "2"])
+    _assert_one_line_error(
+        result.returncode, result.stderr, "trained on 1 replica(s) up to step 100, and this command runs 2",
+        "--cpu-replicas",
+    )
+    assert _snapshot(existing_run) == before
+
+
+def test_a_run_of_an_earlier_version_keeps_its_one_cpu_replica(tmp_path):
+    """A config.json without cpu_replicas was written by code that trained on one CPU replica, whatever its preset."""
+    old = run_settings.layered({"preset": "medium"}).to_config()
+    del old["train"]["cpu_replicas"]
+    run_dir.write_config(tmp_path / "old", old)
+    resumed, _, _ = run_settings.resolve({}, run=tmp_path / "old")
+    new, _, _ = run_settings.resolve({"preset": "medium"}, run=tmp_path / "new")
+    assert (resumed.cpu_replicas, new.cpu_replicas) == (1, 2)
+
+
+@pytest.mark.slow
 def test_a_run_of_two_workers_resumed_on_two_replicas_is_one_line_in_a_real_process(existing_run):
     """The run trained 100 of its 200 steps on 2 workers of 1 replica; this command has 2 replicas, 1 worker."""
     config = run_dir.read_config(existing_run)

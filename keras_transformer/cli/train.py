@@ -131,8 +131,13 @@ def build_parser():
                           "shape). [off]")
     how.add_argument("--devices", default=None,
                      help="Comma-separated devices to replicate over, e.g. GPU:0,GPU:1 (CPU:0,CPU:1 "
-                          "splits the CPU, for testing). [all local GPUs, else the CPU; with a "
+                          "splits the CPU). [all local GPUs, else --cpu-replicas on the CPU; with a "
                           "multi-worker TF_CONFIG, MultiWorkerMirroredStrategy]")
+    how.add_argument("--cpu-replicas", **checked("cpu_replicas"), default=None,
+                     help="Without --devices or GPUs: replicas that split the CPU, each on its share of "
+                          "the cores (faster than one replica on all of them where the ops are small, "
+                          "see docs/performance.md); --token-budget is per replica. "
+                          f"[the preset's: {per_preset('cpu_replicas')}]")
     how.add_argument("--connect-timeout-minutes", type=timeout_minutes, default=15.0,
                      help="Multi-worker: how long a worker waits for every worker of TF_CONFIG to "
                           "start; then it exits with status 1. [15]")
