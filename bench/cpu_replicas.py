@@ -24,9 +24,9 @@ X target tokens/s" (real target tokens over the timed steps), and the wall time.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -59,10 +59,10 @@ def run_train_py(flags: list[str], env: dict, args, run_dir: Path) -> dict:
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=common.REPO_ROOT, env={**os.environ, **env}, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    tail = []
+    tail = collections.deque(maxlen=20)
     try:
         for line in process.stdout:
-            tail = (tail + [line.rstrip()])[-20:]
+            tail.append(line.rstrip())
             match = _TRAINED.match(line)
             if match:
                 return {"tokens_per_s": float(match.group(1).replace(",", "")),
@@ -93,23 +93,18 @@ def main():
     payload = common.header("cpu_replicas", args, with_keras=False)
     runs = variants(args.token_budget, args.replicas)
     results = {name: [] for name in runs}
-    scratch = Path(tempfile.mkdtemp(prefix="cpu_replicas-"))
-    try:
-        for round_index in range(args.rounds):
-            for name, (flags, env) in runs.items():
-                record = run_train_py(flags, env, args, scratch / f"run-{round_index}-{len(results[name])}")
-                results[name].append(record)
-                print(f"[bench] round {round_index + 1}, {name}: {record['tokens_per_s']:,.0f} target tokens/s", flush=True)
-                shutil.rmtree(scratch, ignore_errors=True)
-                scratch.mkdir()
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    baseline = statistics.median(r["tokens_per_s"] for r in results["1 replica"])
+    for round_index in range(args.rounds):
+        for name, (flags, env) in runs.items():
+            with tempfile.TemporaryDirectory(prefix="cpu_replicas-") as scratch:
+                record = run_train_py(flags, env, args, Path(scratch) / "run")
+            results[name].append(record)
+            print(f"[bench] round {round_index + 1}, {name}: {record['tokens_per_s']:,.0f} target tokens/s", flush=True)
+    medians = {name: statistics.median(r["tokens_per_s"] for r in records) for name, records in results.items()}
     payload["variants"] = {
         name: {
             "flags": runs[name][0], "environment": runs[name][1], "runs": records,
-            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
-            "vs_1_replica": round(statistics.median(r["tokens_per_s"] for r in records) / baseline, 3),
+            "median_tokens_per_s": medians[name],
+            "vs_1_replica": round(medians[name] / medians["1 replica"], 3),
         }
         for name, records in results.items()
     }
