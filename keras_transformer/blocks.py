@@ -4,6 +4,9 @@ Each sub-layer is wrapped as in the paper, LayerNorm(x + Dropout(Sublayer(x)))
 ("post-LN"). `norm_first=True` gives the pre-LN variant
 x + Dropout(Sublayer(LayerNorm(x))), which trains more stably in deep stacks
 and needs a final LayerNorm after the stack (the `Encoder`/`Decoder` add it).
+Two dropouts the paper does not have are there for small data, off by default:
+on the attention weights and on the feed-forward network's inner activations
+(tensor2tensor's attention and ReLU dropout).
 """
 
 import keras
@@ -16,8 +19,8 @@ from keras_transformer.dropout import Dropout
 from keras_transformer.masks import intersect
 
 
-def check_model_dims(d_model, num_heads, d_ff, dropout_rate):
-    """Raises a clear error for dimensions the paper's architecture cannot use."""
+def check_model_dims(d_model, num_heads, d_ff, dropout_rate, attention_dropout_rate=0.0, activation_dropout_rate=0.0):
+    """Raises a clear error for dimensions and dropout rates the paper's architecture cannot use."""
     for name, value in (("d_model", d_model), ("num_heads", num_heads), ("d_ff", d_ff)):
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -26,8 +29,14 @@ def check_model_dims(d_model, num_heads, d_ff, dropout_rate):
             f"d_model ({d_model}) must be divisible by num_heads ({num_heads}): each head "
             "attends in d_model / num_heads dimensions."
         )
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}.")
+    rates = (
+        ("dropout_rate", dropout_rate),
+        ("attention_dropout_rate", attention_dropout_rate),
+        ("activation_dropout_rate", activation_dropout_rate),
+    )
+    for name, rate in rates:
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {rate!r}.")
 
 
 def build_once(layer, *shapes):
@@ -120,24 +129,31 @@ class FeedForward(keras.layers.Layer):
         d_model: Input and output width.
         d_ff: Inner width.
         activation: Inner activation; the paper's is ReLU.
+        dropout_rate: Dropout on the inner activations (tensor2tensor's "ReLU dropout");
+            the paper has none, so the default is 0.
         **kwargs: Base `keras.layers.Layer` arguments.
 
     Call arguments:
         inputs: `[..., d_model]`, usually `[batch, length, d_model]`. A Keras mask
             on them (e.g. from `Embedding(mask_zero=True)`) is passed on to the output.
+        training: Whether dropout is active.
 
     Returns:
         `[..., d_model]`, with the Keras mask of `inputs`.
     """
 
-    def __init__(self, d_model, d_ff, activation="relu", **kwargs):
+    def __init__(self, d_model, d_ff, activation="relu", dropout_rate=0.0, **kwargs):
         super().__init__(**kwargs)
+        if not 0.0 <= dropout_rate < 1.0:
+            raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}.")
         self.supports_masking = True  # position-wise: a padded position stays padding
         self.d_model = d_model
         self.d_ff = d_ff
         self.activation = activation
+        self.dropout_rate = dropout_rate
         self.inner = keras.layers.Dense(d_ff, activation=activation, name="inner", dtype=self.dtype_policy)
         self.outer = keras.layers.Dense(d_model, name="outer", dtype=self.dtype_policy)
+        self.dropout = Dropout(dropout_rate, dtype=self.dtype_policy)
 
     def build(self, inputs_shape):
         if inputs_shape[-1] != self.d_model:
@@ -149,15 +165,22 @@ class FeedForward(keras.layers.Layer):
         build_once(self.outer, tuple(inputs_shape[:-1]) + (self.d_ff,))
         self.built = True
 
-    def call(self, inputs):
-        return rowwise(lambda rows: self.outer(self.inner(rows)), inputs)
+    def call(self, inputs, training=None):
+        return rowwise(lambda rows: self.outer(self.dropout(self.inner(rows), training=training)), inputs)
 
     def compute_output_shape(self, inputs_shape):
         return tuple(inputs_shape[:-1]) + (self.d_model,)
 
     def get_config(self):
         config = super().get_config()
-        config.update({"d_model": self.d_model, "d_ff": self.d_ff, "activation": self.activation})
+        config.update(
+            {
+                "d_model": self.d_model,
+                "d_ff": self.d_ff,
+                "activation": self.activation,
+                "dropout_rate": self.dropout_rate,
+            }
+        )
         return config
 
 
@@ -174,11 +197,13 @@ class _ResidualBlock(keras.layers.Layer):
         layer_norm_epsilon=1e-6,
         activation="relu",
         attention_init="independent",
+        attention_dropout_rate=0.0,
+        activation_dropout_rate=0.0,
         **kwargs,
     ):
         attention_init = attention_init_argument(attention_init, kwargs)
         super().__init__(**kwargs)
-        check_model_dims(d_model, num_heads, d_ff, dropout_rate)
+        check_model_dims(d_model, num_heads, d_ff, dropout_rate, attention_dropout_rate, activation_dropout_rate)
         self.d_model = d_model
         self.num_heads = num_heads
         self.d_ff = d_ff
@@ -187,11 +212,19 @@ class _ResidualBlock(keras.layers.Layer):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.activation = activation
         self.attention_init = attention_init
-        self.feed_forward = FeedForward(d_model, d_ff, activation, name="feed_forward", dtype=self.dtype_policy)
+        self.attention_dropout_rate = attention_dropout_rate
+        self.activation_dropout_rate = activation_dropout_rate
+        self.feed_forward = FeedForward(
+            d_model, d_ff, activation, activation_dropout_rate, name="feed_forward", dtype=self.dtype_policy
+        )
 
     def _attention(self, name):
         return MultiHeadAttention(
-            self.num_heads, attention_init=self.attention_init, name=name, dtype=self.dtype_policy
+            self.num_heads,
+            dropout_rate=self.attention_dropout_rate,
+            attention_init=self.attention_init,
+            name=name,
+            dtype=self.dtype_policy,
         )
 
     def _norm_and_dropout(self, name):
@@ -200,6 +233,9 @@ class _ResidualBlock(keras.layers.Layer):
         )
         dropout = Dropout(self.dropout_rate, dtype=self.dtype_policy)
         return norm, dropout
+
+    def _feed_forward(self, training):
+        return lambda x: self.feed_forward(x, training=training)
 
     def _check_inputs(self, inputs_shape):
         if len(inputs_shape) != 3 or inputs_shape[-1] != self.d_model:
@@ -245,6 +281,8 @@ class _ResidualBlock(keras.layers.Layer):
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "activation": self.activation,
                 "attention_init": self.attention_init,
+                "attention_dropout_rate": self.attention_dropout_rate,
+                "activation_dropout_rate": self.activation_dropout_rate,
             }
         )
         return config
@@ -273,6 +311,9 @@ class EncoderLayer(_ResidualBlock):
         activation: Feed-forward activation (paper: ReLU).
         attention_init: How the attention's kernels start: "independent", "mimetic" or
             "tied" (see `MultiHeadAttention`).
+        attention_dropout_rate: Dropout on the attention weights (the paper: none, 0).
+        activation_dropout_rate: Dropout on the feed-forward network's inner activations
+            (the paper: none, 0).
         **kwargs: Base `keras.layers.Layer` arguments.
 
     Call arguments:
@@ -321,7 +362,7 @@ class EncoderLayer(_ResidualBlock):
             return output
 
         x = self._residual(inputs, self_attend, self.self_attention_norm, self.self_attention_dropout, training)
-        x = self._residual(x, self.feed_forward, self.feed_forward_norm, self.feed_forward_dropout, training)
+        x = self._residual(x, self._feed_forward(training), self.feed_forward_norm, self.feed_forward_dropout, training)
         return (x, scores) if return_attention_scores else x
 
     def compute_output_spec(
@@ -473,7 +514,7 @@ class DecoderLayer(_ResidualBlock):
 
         x = self._residual(inputs, self_attend, self.self_attention_norm, self.self_attention_dropout, training)
         x = self._residual(x, cross_attend, self.cross_attention_norm, self.cross_attention_dropout, training)
-        x = self._residual(x, self.feed_forward, self.feed_forward_norm, self.feed_forward_dropout, training)
+        x = self._residual(x, self._feed_forward(training), self.feed_forward_norm, self.feed_forward_dropout, training)
         outputs = (x,)
         if return_attention_scores:
             outputs += ((scores["self"], scores["cross"]),)

@@ -50,6 +50,8 @@ class _Stack(keras.layers.Layer):
         layer_norm_epsilon=1e-6,
         activation="relu",
         attention_init="independent",
+        attention_dropout_rate=0.0,
+        activation_dropout_rate=0.0,
         **kwargs,
     ):
         attention_init = attention_init_argument(attention_init, kwargs)
@@ -57,7 +59,7 @@ class _Stack(keras.layers.Layer):
         self.supports_masking = True  # the blocks read the Keras mask of the inputs; the output keeps it
         if not isinstance(num_layers, int) or num_layers <= 0:
             raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}.")
-        check_model_dims(d_model, num_heads, d_ff, dropout_rate)
+        check_model_dims(d_model, num_heads, d_ff, dropout_rate, attention_dropout_rate, activation_dropout_rate)
         self.num_layers = num_layers
         self.d_model = d_model
         self.num_heads = num_heads
@@ -67,6 +69,8 @@ class _Stack(keras.layers.Layer):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.activation = activation
         self.attention_init = attention_init
+        self.attention_dropout_rate = attention_dropout_rate
+        self.activation_dropout_rate = activation_dropout_rate
         # One attribute per layer, not a list: TensorFlow checkpoints (tf.train.Checkpoint)
         # do not see layers that Keras 3 holds in Python lists.
         for i in range(num_layers):
@@ -79,6 +83,8 @@ class _Stack(keras.layers.Layer):
                 layer_norm_epsilon=layer_norm_epsilon,
                 activation=activation,
                 attention_init=attention_init,
+                attention_dropout_rate=attention_dropout_rate,
+                activation_dropout_rate=activation_dropout_rate,
                 name=f"layer_{i}",
                 dtype=self.dtype_policy,
             )
@@ -118,6 +124,8 @@ class _Stack(keras.layers.Layer):
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "activation": self.activation,
                 "attention_init": self.attention_init,
+                "attention_dropout_rate": self.attention_dropout_rate,
+                "activation_dropout_rate": self.activation_dropout_rate,
             }
         )
         return config
@@ -244,6 +252,9 @@ class Transformer(keras.Model):
             paper's), "mimetic" (each query attends to its own position at first) or
             "tied" (see `MultiHeadAttention`). `tied_attention_init`, its form in
             configs saved before, is taken too.
+        attention_dropout_rate: Dropout on the attention weights (the paper: none, 0).
+        activation_dropout_rate: Dropout on the feed-forward networks' inner activations
+            (the paper: none, 0).
         **kwargs: Base `keras.Model` arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -269,12 +280,14 @@ class Transformer(keras.Model):
         layer_norm_epsilon=1e-6,
         pad_id=0,
         attention_init="independent",
+        attention_dropout_rate=0.0,
+        activation_dropout_rate=0.0,
         **kwargs,
     ):
         max_positions = max_positions_argument(max_positions, kwargs)
         attention_init = attention_init_argument(attention_init, kwargs)
         super().__init__(**kwargs)
-        check_model_dims(d_model, num_heads, d_ff, dropout_rate)
+        check_model_dims(d_model, num_heads, d_ff, dropout_rate, attention_dropout_rate, activation_dropout_rate)
         self.vocab_size = vocab_size
         self.num_layers = num_layers
         self.d_model = d_model
@@ -287,6 +300,8 @@ class Transformer(keras.Model):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.pad_id = pad_id
         self.attention_init = attention_init
+        self.attention_dropout_rate = attention_dropout_rate
+        self.activation_dropout_rate = activation_dropout_rate
 
         policy = self.dtype_policy
         self.embedding = SharedEmbedding(vocab_size, d_model, name="shared_embedding", dtype=policy)
@@ -306,6 +321,8 @@ class Transformer(keras.Model):
             norm_first=norm_first,
             layer_norm_epsilon=layer_norm_epsilon,
             attention_init=attention_init,
+            attention_dropout_rate=attention_dropout_rate,
+            activation_dropout_rate=activation_dropout_rate,
             dtype=policy,
         )
         self.encoder = Encoder(name="encoder", **stack_args)
@@ -406,4 +423,6 @@ class Transformer(keras.Model):
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "pad_id": self.pad_id,
             "attention_init": self.attention_init,
+            "attention_dropout_rate": self.attention_dropout_rate,
+            "activation_dropout_rate": self.activation_dropout_rate,
         }

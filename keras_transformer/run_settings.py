@@ -14,15 +14,16 @@ check that needs no data, so that a bad command fails before anything is trained
 
 config.json is `{"data": {...}, "train": {...}, "model": {...}}`: `data` and `train` are
 `RunSettings.to_config()`, `model` is `run_dir.model_config(model)` (the architecture, once
-the model is built) with the dropout and attention-initialisation settings. `saved_settings` reads
-it back, checked as a --config file is, so a run's config.json given back as `--config` trains the same run.
+the model is built) with the model's settings (the dropouts, the attention's initialisation).
+`saved_settings` reads it back, checked as a --config file is, so a run's config.json given
+back as `--config` trains the same run.
 
 A `--config` file is JSON or YAML (by its extension, .json, .yaml or .yml, else by its
 text) with config.json's keys and layout, any of them left out. A value must be one its
 flag takes; `null` stands for a flag left out where that means something (epochs,
 max_minutes: no time budget, source_lang and target_lang: the corpus's). What a run
 records rather than chooses is checked, never used: `train.replicas`, `train.workers` and the `model`
-keys other than dropout_rate and attention_init, which the preset and the vocabulary
+keys other than the model's settings, which the preset and the vocabulary
 size determine. An unknown key or a wrong value is one `SettingsError` naming the file
 and the key.
 `mixed_precision: auto` (the default) is resolved when the run starts
@@ -162,6 +163,8 @@ class RunSettings:
     seed: int = _setting(seed, pinned=True)
     dropout: float = _setting(probability, section="model", key="dropout_rate", pinned=True)
     attention_init: str = _setting(ATTENTION_INITS, section="model", pinned=True)
+    attention_dropout: float = _setting(probability, section="model", key="attention_dropout_rate", pinned=True)
+    activation_dropout: float = _setting(probability, section="model", key="activation_dropout_rate", pinned=True)
     warmup_steps: int = _setting(positive_int, pinned=True)
     learning_rate_scale: float = _setting(positive_float, pinned=True)
     cooldown: float = _setting(fraction, pinned=True)
@@ -206,7 +209,7 @@ class RunSettings:
         return dataclasses.replace(self, **changes)
 
     def to_config(self):
-        """config.json's `data` and `train` sections, and the `model` section's dropout_rate and attention_init."""
+        """config.json's `data` and `train` sections, and the `model` section's settings (dropouts, attention_init)."""
         config = {"data": {}, "train": {}, "model": {}}
         for field in dataclasses.fields(self):
             section, key = location(field.name)
@@ -215,6 +218,9 @@ class RunSettings:
 
 
 SETTINGS = {field.name: field.metadata for field in dataclasses.fields(RunSettings)}
+# Settings that earlier versions did not save, with the value those versions' runs had: a
+# recipe's newer value would otherwise change such a run when it resumes.
+SAVED_SINCE = {"cpu_replicas": 1, "attention_dropout": 0.0, "activation_dropout": 0.0}
 PINNED = tuple(name for name, meta in SETTINGS.items() if meta["pinned"])
 # Flags of one command, not settings of the run: no key of a config file.
 PER_COMMAND = ("config", "data_dir", "devices", "connect_timeout_minutes", "run_dir", "average_only")
@@ -255,6 +261,8 @@ def defaults(preset, dataset):
         preset=preset, dataset=dataset, source_lang=None, target_lang=None,
         vocab_size=corpus.vocab_size, max_length=corpus.max_length, long_sentences="filter",
         seed=0, dropout=recipe.model["dropout_rate"], attention_init=recipe.model.get("attention_init", "independent"),
+        attention_dropout=recipe.model.get("attention_dropout_rate", 0.0),
+        activation_dropout=recipe.model.get("activation_dropout_rate", 0.0),
         cooldown=0.0, label_smoothing=0.1, mixed_precision=precision.AUTO,
         jit_compile=False, cpu_replicas=1, epochs=None, patience=0, replicas=None, workers=None, precision_reason=None,
         beam_size=recipe.decoding.beam_size, alpha=recipe.decoding.alpha,
@@ -304,7 +312,7 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
         _check_no_orphan_state(run)
     saved = {} if saved_config is None else saved_settings(saved_config, run / run_dir.CONFIG_FILE)
     if saved_config is not None:
-        saved.setdefault("cpu_replicas", 1)  # A run of an earlier version, which trained on one CPU replica.
+        saved = {**SAVED_SINCE, **saved}
     _check_pinned(requested, saved, explicit, run, config_file)
     settings = layered(saved, from_file, explicit)
     if settings.mixed_precision == precision.AUTO and "mixed_precision" in saved:
@@ -445,7 +453,7 @@ def saved_settings(config, path=run_dir.CONFIG_FILE):
 def write_run_config(run, settings, model=None):
     """Writes RUN/config.json: the settings, and the architecture of `model` once it is built.
 
-    Until then the `model` section holds only its settings (dropout_rate, attention_init): a
+    Until then the `model` section holds only its settings (the dropouts, attention_init): a
     run of known settings, no model yet (see `run_dir.saved_architecture`).
     """
     config = settings.to_config()

@@ -391,8 +391,11 @@ def _np_layer_norm(norm, x):
     return (x - mean) / np.sqrt(var + norm.epsilon) * np.asarray(norm.gamma) + np.asarray(norm.beta)
 
 
-def _np_attention(attention, query, memory, causal=False):
-    """softmax(Q K^T / sqrt(d_k)) V per head, then the output projection (section 3.2.2)."""
+def _np_attention(attention, query, memory, causal=False, weights_mask=1.0):
+    """softmax(Q K^T / sqrt(d_k)) V per head, then the output projection (section 3.2.2).
+
+    `weights_mask` multiplies the attention weights: the attention dropout's mask.
+    """
     w = {v.path.split("/")[-1]: np.asarray(v, "float64") for v in attention.weights}
     q = np.einsum("btd,dhk->bhtk", query, w["query_kernel"]) + w["query_bias"][None, :, None, :]
     k = np.einsum("bsd,dhk->bhsk", memory, w["key_kernel"]) + w["key_bias"][None, :, None, :]
@@ -402,12 +405,15 @@ def _np_attention(attention, query, memory, causal=False):
         logits = np.where(np.tril(np.ones(logits.shape[-2:], bool)), logits, -np.inf)
     weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
     weights /= weights.sum(axis=-1, keepdims=True)
+    weights = weights * weights_mask
     return np.einsum("bhtv,hvo->bto", weights @ v, w["output_kernel"]) + w["output_bias"]
 
 
-def _np_feed_forward(feed_forward, x):
+def _np_feed_forward(feed_forward, x, hidden_mask=1.0):
+    """max(0, x W1 + b1) W2 + b2; `hidden_mask` multiplies the inner activations (the activation dropout's mask)."""
     inner, outer = feed_forward.inner, feed_forward.outer
     hidden = np.maximum(0.0, x @ np.asarray(inner.kernel, "float64") + np.asarray(inner.bias))
+    hidden = hidden * np.reshape(hidden_mask, hidden.shape) if np.ndim(hidden_mask) else hidden
     return hidden @ np.asarray(outer.kernel, "float64") + np.asarray(outer.bias)
 
 
@@ -429,10 +435,12 @@ def _np_block(x, sublayers, masks, norm_first):
 def _fix_dropout_masks(monkeypatch, rng, dropouts, shape):
     """Each of `dropouts` multiplies by its own fixed mask (0, or 1 / keep probability) in training.
 
+    `shape`: the masks' shape, or a list of one shape per dropout.
     Returns the masks, in the order of `dropouts`.
     """
     masks = []
-    for dropout in dropouts:
+    shapes = shape if isinstance(shape, list) else [shape] * len(dropouts)
+    for dropout, shape in zip(dropouts, shapes, strict=True):
         keep = rng.random(shape) >= dropout.rate
         mask = keep / (1.0 - dropout.rate)
         masks.append(mask)
@@ -476,6 +484,42 @@ def test_dropout_sits_on_each_decoder_sublayer_output_before_the_residual_add(no
 
     _assert_all_close([layer(y, memory, training=True)], [_np_block(y, sublayers, masks, norm_first)])
     _assert_all_close([layer(y, memory, training=False)], [_np_block(y, sublayers, [1.0] * 3, norm_first)])
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
+def test_attention_and_activation_dropout_sit_on_the_attention_weights_and_the_inner_activations(
+    norm_first, monkeypatch
+):
+    """Each attention's weights `[batch, heads, target, source]` and the FFN's `[tokens, d_ff]` get their own mask."""
+    rng = np.random.default_rng(34)
+    y = rng.normal(size=SHAPE).astype("float32")
+    memory = rng.normal(size=(3, 7, 8)).astype("float32")
+    layer = DecoderLayer(
+        8, 2, 16, dropout_rate=0.3, attention_dropout_rate=0.2, activation_dropout_rate=0.4, norm_first=norm_first
+    )
+    layer = _with_random_weights(layer, rng, y, memory)
+    dropouts = [
+        layer.self_attention_dropout, layer.cross_attention_dropout, layer.feed_forward_dropout,
+        layer.self_attention.dropout, layer.cross_attention.dropout, layer.feed_forward.dropout,
+    ]
+    assert [d.rate for d in dropouts] == [0.3, 0.3, 0.3, 0.2, 0.2, 0.4]
+    shapes = [SHAPE] * 3 + [(3, 2, 5, 5), (3, 2, 5, 7), (15, 16)]
+    *residual, self_weights, cross_weights, hidden = _fix_dropout_masks(monkeypatch, rng, dropouts, shapes)
+    sublayers = [
+        (lambda t: _np_attention(layer.self_attention, t, t, causal=True, weights_mask=self_weights),
+         layer.self_attention_norm),
+        (lambda t: _np_attention(layer.cross_attention, t, memory.astype("float64"), weights_mask=cross_weights),
+         layer.cross_attention_norm),
+        (lambda t: _np_feed_forward(layer.feed_forward, t, hidden_mask=hidden), layer.feed_forward_norm),
+    ]
+
+    _assert_all_close([layer(y, memory, training=True)], [_np_block(y, sublayers, residual, norm_first)])
+    inference = [
+        (lambda t: _np_attention(layer.self_attention, t, t, causal=True), layer.self_attention_norm),
+        (lambda t: _np_attention(layer.cross_attention, t, memory.astype("float64")), layer.cross_attention_norm),
+        (lambda t: _np_feed_forward(layer.feed_forward, t), layer.feed_forward_norm),
+    ]
+    _assert_all_close([layer(y, memory, training=False)], [_np_block(y, inference, [1.0] * 3, norm_first)])
 
 
 # bfloat16 keeps 8 significant bits, float16 11: relative tolerances of a few of their roundings.

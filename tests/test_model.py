@@ -198,6 +198,31 @@ def test_mimetic_attention_init_reaches_every_attention_layer():
         assert np.trace(value_output) < 0
 
 
+@pytest.mark.parametrize(
+    "rates", [(0.5, 0.0), (0.0, 0.5)], ids=["attention", "activation"]
+)
+def test_attention_and_activation_dropout_reach_every_block_round_trip_and_drop_only_in_training(rates):
+    """With the residual and embedding dropout at 0, either rate alone makes a training pass differ from inference.
+
+    A config saved before these rates existed builds the paper's model: none.
+    """
+    attention_rate, activation_rate = rates
+    model = Transformer(vocab_size=VOCAB, num_layers=2, d_model=16, num_heads=2, d_ff=32, dropout_rate=0.0,
+                        attention_dropout_rate=attention_rate, activation_dropout_rate=activation_rate)
+    source, target = random_ids((2, 6), 1), random_ids((2, 5), 1)
+    model((source, target))
+    old_config = {k: v for k, v in model.get_config().items() if not k.endswith("ion_dropout_rate")}
+    for built, expected in ((model, rates), (Transformer.from_config(model.get_config()), rates),
+                            (Transformer.from_config(old_config), (0.0, 0.0))):
+        built.build()
+        blocks = built.encoder.blocks + built.decoder.blocks
+        assert {layer.dropout.rate for layer in _attention_layers(built)} == {expected[0]}
+        assert {block.feed_forward.dropout.rate for block in blocks} == {expected[1]}
+    inference = np.asarray(model((source, target), training=False))
+    np.testing.assert_array_equal(np.asarray(model((source, target))), inference)
+    assert np.abs(np.asarray(model((source, target), training=True)) - inference).max() > 1e-3
+
+
 def test_the_norm_order_and_layer_norm_epsilon_reach_every_block_and_round_trip():
     """A pre-LN model is pre-LN in every block, with a final LayerNorm after each stack, and every
     LayerNorm has the model's epsilon (the blocks' defaults, post-LN and 1e-6, would otherwise pass)."""

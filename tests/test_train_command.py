@@ -661,6 +661,32 @@ def test_a_run_of_an_earlier_version_keeps_its_one_cpu_replica(tmp_path):
     assert (resumed.cpu_replicas, new.cpu_replicas) == (1, 2)
 
 
+def test_attention_and_activation_dropout_are_pinned_and_a_run_of_an_earlier_version_had_none(tmp_path):
+    """The flags reach config.json's model section; a resume keeps them, and refuses others naming the flag.
+
+    A config.json without them was written by code whose models had neither dropout, whatever the recipe says now.
+    """
+    given = {"preset": "tiny", "attention_dropout": 0.1, "activation_dropout": 0.2}
+    settings, run, _ = run_settings.resolve(given, run=tmp_path / "run")
+    run_settings.write_run_config(run, settings)
+    assert {k: run_dir.read_config(run)["model"][k] for k in ("attention_dropout_rate", "activation_dropout_rate")} \
+        == {"attention_dropout_rate": 0.1, "activation_dropout_rate": 0.2}
+    resumed, _, _ = run_settings.resolve({}, run=run)
+    assert (resumed.attention_dropout, resumed.activation_dropout) == (0.1, 0.2)
+    with pytest.raises(run_settings.SettingsError, match=r"trained with --activation-dropout 0.2, not 0.3"):
+        run_settings.resolve({"activation_dropout": 0.3}, run=run)
+
+    old = run_settings.layered({"preset": "medium"}).to_config()
+    old["model"] = {"dropout_rate": 0.2, "attention_init": "mimetic"}
+    run_dir.write_config(tmp_path / "old", old)
+    recipe = run_settings.layered({"preset": "medium"})
+    resumed, _, _ = run_settings.resolve({}, run=tmp_path / "old")
+    assert (resumed.attention_dropout, resumed.activation_dropout) == (0.0, 0.0)
+    with pytest.raises(run_settings.SettingsError, match=r"trained with --attention-dropout 0.0, not 0.1"):
+        run_settings.resolve({"attention_dropout": 0.1}, run=tmp_path / "old")
+    assert recipe.attention_dropout == run_settings.defaults("medium", "multi30k")["attention_dropout"]
+
+
 @pytest.mark.slow
 def test_a_run_of_two_workers_resumed_on_two_replicas_is_one_line_in_a_real_process(existing_run):
     """The run trained 100 of its 200 steps on 2 workers of 1 replica; this command has 2 replicas, 1 worker."""

@@ -88,6 +88,12 @@ def build_parser():
                            f"to fit (truncate). [{general['long_sentences']}]")
     what.add_argument("--dropout", **checked("dropout"), default=None,
                       help="Dropout rate P_drop (residual and embedding dropout). [the preset's]")
+    what.add_argument("--attention-dropout", **checked("attention_dropout"), default=None,
+                      help="Dropout rate on the attention weights (the paper has none). "
+                           f"[the preset's: {per_preset('attention_dropout')}]")
+    what.add_argument("--activation-dropout", **checked("activation_dropout"), default=None,
+                      help="Dropout rate on the feed-forward networks' inner (ReLU) activations (the paper has "
+                           f"none). [the preset's: {per_preset('activation_dropout')}]")
     what.add_argument("--attention-init", **checked("attention_init"), default=None,
                       help="How the attention kernels start: independent draws (the paper's), tied (each "
                            "position attends to itself at first) or mimetic (Trockman and Kolter, 2023). "
