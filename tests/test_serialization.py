@@ -43,11 +43,15 @@ _PAIR = (_RNG.integers(1, 50, size=(2, 6)).astype("int32"), _RNG.integers(1, 50,
         (lambda: PositionalEncoding(learned=True, max_positions=64), (_SEQUENCE,)),
         (lambda: PositionalEncoding(learned=True, max_length=32), (_SEQUENCE,)),  # its name in old configs
         (lambda: SharedEmbedding(100, 16, pad_id=3), (_IDS,)),
-        (lambda: FeedForward(16, 32, activation="gelu"), (_SEQUENCE,)),
+        (lambda: FeedForward(16, 32, activation="gelu", dropout_rate=0.3), (_SEQUENCE,)),
         (lambda: LayerNormalization(epsilon=1e-2), (_SEQUENCE * 0.1,)),  # small variance: epsilon shows
         (lambda: EncoderLayer(16, 4, 32, dropout_rate=0.2, norm_first=True), (_SEQUENCE,)),
         (lambda: EncoderLayer(16, 4, 32, activation="gelu", dtype="mixed_bfloat16"), (_SEQUENCE,)),
-        (lambda: DecoderLayer(16, 4, 32, layer_norm_epsilon=1e-1), (_SEQUENCE, _MEMORY)),
+        (
+            lambda: DecoderLayer(16, 4, 32, layer_norm_epsilon=1e-1, attention_dropout_rate=0.1,
+                                 activation_dropout_rate=0.2),
+            (_SEQUENCE, _MEMORY),
+        ),
         (lambda: Encoder(num_layers=2, d_model=16, num_heads=4, d_ff=32, norm_first=True), (_SEQUENCE,)),
         (lambda: Decoder(num_layers=3, d_model=16, num_heads=2, d_ff=32), (_SEQUENCE, _MEMORY)),
         (
