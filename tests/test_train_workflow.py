@@ -261,7 +261,10 @@ def test_a_wrong_value_in_a_runs_config_json_is_one_error_naming_it(tmp_path, ca
         ({"data": {"data_dir": "/data"}}, "unknown key data.data_dir: --data-dir is no setting of the run"),
         ({"data": {"dataset": "wmt14"}}, "unknown key data.dataset; did you mean data.corpus?"),
         ({"train": {"dropout": 0.2}}, "unknown key train.dropout; did you mean model.dropout_rate?"),
-        ({"model": {"dtype": "float32"}}, "model takes attention_init, d_ff, d_model, dropout_rate, layer_norm_eps"),
+        (
+            {"model": {"dtype": "float32"}},
+            "model takes activation_dropout_rate, attention_dropout_rate, attention_init, d_ff, d_model, dropout_rate",
+        ),
         ({"model": {"dropout_rate": 1.5}}, "model.dropout_rate must be in [0, 1), got 1.5."),
         ({"model": {"attention_init": "orthogonal"}},
          'model.attention_init must be one of independent, tied, mimetic, got "orthogonal".'),
