@@ -29,14 +29,15 @@ def check_model_dims(d_model, num_heads, d_ff, dropout_rate, attention_dropout_r
             f"d_model ({d_model}) must be divisible by num_heads ({num_heads}): each head "
             "attends in d_model / num_heads dimensions."
         )
-    rates = (
-        ("dropout_rate", dropout_rate),
-        ("attention_dropout_rate", attention_dropout_rate),
-        ("activation_dropout_rate", activation_dropout_rate),
-    )
-    for name, rate in rates:
-        if not 0.0 <= rate < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {rate!r}.")
+    check_rate("dropout_rate", dropout_rate)
+    check_rate("attention_dropout_rate", attention_dropout_rate)
+    check_rate("activation_dropout_rate", activation_dropout_rate)
+
+
+def check_rate(name, rate):
+    """Raises ValueError naming `name` unless the dropout rate `rate` is in [0, 1)."""
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {rate!r}.")
 
 
 def build_once(layer, *shapes):
@@ -144,8 +145,7 @@ class FeedForward(keras.layers.Layer):
 
     def __init__(self, d_model, d_ff, activation="relu", dropout_rate=0.0, **kwargs):
         super().__init__(**kwargs)
-        if not 0.0 <= dropout_rate < 1.0:
-            raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}.")
+        check_rate("dropout_rate", dropout_rate)
         self.supports_masking = True  # position-wise: a padded position stays padding
         self.d_model = d_model
         self.d_ff = d_ff
