@@ -142,8 +142,8 @@ def check_checkpointable(model):
 def saved_architecture(config):
     """The `Transformer` arguments of config.json's model section, or None if it holds no architecture yet.
 
-    A run writes its settings first (the model section then holds only the dropouts and
-    attention_init; earlier versions wrote none), the architecture once the model is built.
+    A run writes its settings first (the model section then holds only the dropouts,
+    attention_init and norm_first; earlier versions wrote fewer), the architecture once the model is built.
     """
     model = config.get("model")
     return model if isinstance(model, dict) and "d_model" in model else None

@@ -14,7 +14,8 @@ check that needs no data, so that a bad command fails before anything is trained
 
 config.json is `{"data": {...}, "train": {...}, "model": {...}}`: `data` and `train` are
 `RunSettings.to_config()`, `model` is `run_dir.model_config(model)` (the architecture, once
-the model is built) with the model's settings (the dropouts, the attention's initialisation).
+the model is built) with the model's settings (the dropouts, the attention's initialisation,
+the norm order).
 `saved_settings` reads it back, checked as a --config file is, so a run's config.json given
 back as `--config` trains the same run.
 
@@ -165,6 +166,7 @@ class RunSettings:
     attention_init: str = _setting(ATTENTION_INITS, section="model", pinned=True)
     attention_dropout: float = _setting(probability, section="model", key="attention_dropout_rate", pinned=True)
     activation_dropout: float = _setting(probability, section="model", key="activation_dropout_rate", pinned=True)
+    norm_first: bool = _setting(bool, section="model", pinned=True)
     warmup_steps: int = _setting(positive_int, pinned=True)
     learning_rate_scale: float = _setting(positive_float, pinned=True)
     cooldown: float = _setting(fraction, pinned=True)
@@ -209,7 +211,8 @@ class RunSettings:
         return dataclasses.replace(self, **changes)
 
     def to_config(self):
-        """config.json's `data` and `train` sections, and the `model` section's settings (dropouts, attention_init)."""
+        """config.json's `data` and `train` sections, and the `model` section's settings (dropouts, attention_init,
+        norm_first)."""
         config = {"data": {}, "train": {}, "model": {}}
         for field in dataclasses.fields(self):
             section, key = location(field.name)
@@ -220,7 +223,7 @@ class RunSettings:
 SETTINGS = {field.name: field.metadata for field in dataclasses.fields(RunSettings)}
 # Settings that earlier versions did not save, with the value those versions' runs had: a
 # recipe's newer value would otherwise change such a run when it resumes.
-SAVED_SINCE = {"cpu_replicas": 1, "attention_dropout": 0.0, "activation_dropout": 0.0}
+SAVED_SINCE = {"cpu_replicas": 1, "attention_dropout": 0.0, "activation_dropout": 0.0, "norm_first": False}
 PINNED = tuple(name for name, meta in SETTINGS.items() if meta["pinned"])
 # Flags of one command, not settings of the run: no key of a config file.
 PER_COMMAND = ("config", "data_dir", "devices", "connect_timeout_minutes", "run_dir", "average_only")
@@ -245,8 +248,9 @@ def flag_options(name):
     return {} if check is str else dict(type=check)
 
 
-def flag(name):
-    return "--" + name.replace("_", "-")
+def flag(name, value=True):
+    """`--name`, or `--no-name` for a boolean setting's False."""
+    return ("--" if value else "--no-") + name.replace("_", "-")
 
 
 def config_key(name):
@@ -263,6 +267,7 @@ def defaults(preset, dataset):
         seed=0, dropout=recipe.model["dropout_rate"], attention_init=recipe.model.get("attention_init", "independent"),
         attention_dropout=recipe.model.get("attention_dropout_rate", 0.0),
         activation_dropout=recipe.model.get("activation_dropout_rate", 0.0),
+        norm_first=recipe.model.get("norm_first", False),
         cooldown=0.0, label_smoothing=0.1, mixed_precision=precision.AUTO,
         jit_compile=False, cpu_replicas=1, epochs=None, patience=0, replicas=None, workers=None, precision_reason=None,
         beam_size=recipe.decoding.beam_size, alpha=recipe.decoding.alpha,
@@ -357,12 +362,17 @@ def _check_pinned(requested, saved, explicit, run, config_file):
         if name == "mixed_precision" and precision.AUTO in (requested.get(name), saved.get(name)):
             continue  # `auto` takes the precision the run chose; a run saved before it chose takes any.
         if name in requested and name in saved and requested[name] != saved[name]:
+            if isinstance(saved[name], bool):  # --norm-first or --no-norm-first.
+                trained, asked = flag(name, saved[name]), flag(name, requested[name])
+                asked_flag = asked
+            else:
+                trained, asked, asked_flag = f"{flag(name)} {saved[name]}", requested[name], flag(name)
             if name in explicit:
-                given, advice = "", f"leave out {flag(name)}"
+                given, advice = "", f"leave out {asked_flag}"
             else:
                 given, advice = f" ({config_key(name)} of --config {config_file})", f"leave {config_key(name)} out"
             raise SettingsError(
-                f"{run} was trained with {flag(name)} {saved[name]}, not {requested[name]}{given}; use another "
+                f"{run} was trained with {trained}, not {asked}{given}; use another "
                 f"--run-dir, or {advice} to continue this run."
             )
 
@@ -453,7 +463,7 @@ def saved_settings(config, path=run_dir.CONFIG_FILE):
 def write_run_config(run, settings, model=None):
     """Writes RUN/config.json: the settings, and the architecture of `model` once it is built.
 
-    Until then the `model` section holds only its settings (the dropouts, attention_init): a
+    Until then the `model` section holds only its settings (the dropouts, attention_init, norm_first): a
     run of known settings, no model yet (see `run_dir.saved_architecture`).
     """
     config = settings.to_config()
@@ -615,7 +625,7 @@ def _shown(value):
 
 
 def _check_model_keys(model_keys, settings, path):
-    """The `model` keys of a --config file (but dropout_rate) must be those of the model `settings` build.
+    """The `model` keys of a --config file (but the settings') must be those of the model `settings` build.
 
     Those keys describe the model that the preset and the vocabulary size determine: a run's
     config.json holds them, and passes; another value, which would not be the model trained, fails.

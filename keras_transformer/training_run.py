@@ -104,6 +104,7 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
             settings.preset, tokenizer.vocab_size, dtype=dtype,
             dropout_rate=settings.dropout, attention_init=settings.attention_init,
             attention_dropout_rate=settings.attention_dropout, activation_dropout_rate=settings.activation_dropout,
+            norm_first=settings.norm_first,
         )
 
     validator = None

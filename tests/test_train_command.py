@@ -498,18 +498,22 @@ def test_a_start_interrupted_after_the_vocabulary_is_resumed(tmp_path, multi30k_
 def test_a_run_draws_its_weights_as_its_settings_say(tmp_path, multi30k_dir, multi30k_tokenizer, monkeypatch, start):
     """A new run, one stopped before its first checkpoint (config.json holds the model, no checkpoint its
     weights), and one interrupted before it built its model (config.json and the vocabulary alone) build their
-    model with the run's attention initialisation and dropout, not the layers' or the preset's defaults."""
+    model with the run's attention initialisation, dropouts and norm order, not the layers' or the preset's
+    defaults."""
     run = tmp_path / "run"
     command = ["--run-dir", str(run), "--data-dir", str(multi30k_dir)]
     if start == "new":
-        command += ["--preset", "tiny", "--vocab-size", "1000", "--dropout", "0.25", "--attention-init", "mimetic"]
+        command += ["--preset", "tiny", "--vocab-size", "1000", "--dropout", "0.25", "--attention-init", "mimetic",
+                    "--attention-dropout", "0.1", "--activation-dropout", "0.2", "--norm-first"]
     else:  # `train.py --run-dir RUN` resumes it: its settings are the run's.
         settings = run_settings.layered({
             "preset": "tiny", "dataset": "multi30k", "source_lang": "en", "target_lang": "de",
             "vocab_size": multi30k_tokenizer.vocab_size, "dropout": 0.25, "attention_init": "mimetic",
+            "attention_dropout": 0.1, "activation_dropout": 0.2, "norm_first": True,
         })
         model = Transformer.from_preset(
-            "tiny", multi30k_tokenizer.vocab_size, dropout_rate=0.25, attention_init="mimetic"
+            "tiny", multi30k_tokenizer.vocab_size, dropout_rate=0.25, attention_init="mimetic",
+            attention_dropout_rate=0.1, activation_dropout_rate=0.2, norm_first=True,
         )
         model.build()
         run_settings.write_run_config(run, settings, model if start == "stopped" else None)
@@ -523,8 +527,12 @@ def test_a_run_draws_its_weights_as_its_settings_say(tmp_path, multi30k_dir, mul
     monkeypatch.setattr(training_run, "Trainer", trainer_stopped_at_once)
     assert train_cli.main(command) == 130
     (model,) = built
+    blocks = model.encoder.blocks + model.decoder.blocks
     assert model.dropout_rate == 0.25
-    assert {block.self_attention.attention_init for block in model.encoder.blocks + model.decoder.blocks} == {"mimetic"}
+    assert {block.self_attention.attention_init for block in blocks} == {"mimetic"}
+    assert {block.feed_forward.dropout.rate for block in blocks} == {0.2}
+    assert {block.self_attention.dropout.rate for block in blocks} == {0.1}
+    assert {block.norm_first for block in blocks} == {True} and model.encoder.final_norm is not None
 
 
 @pytest.mark.slow
@@ -683,6 +691,27 @@ def test_attention_and_activation_dropout_are_pinned_and_a_run_of_an_earlier_ver
     assert (resumed.attention_dropout, resumed.activation_dropout) == (0.0, 0.0)
     with pytest.raises(run_settings.SettingsError, match=r"trained with --attention-dropout 0.0, not 0.1"):
         run_settings.resolve({"attention_dropout": 0.1}, run=tmp_path / "old")
+
+
+def test_the_norm_order_is_pinned_and_a_run_of_an_earlier_version_was_post_ln(tmp_path):
+    """--norm-first reaches config.json's model section; a resume keeps it, and refuses the other order naming
+    both flags. A start saved before norm_first was a setting (a model section of its dropout and attention_init
+    alone) built the presets' post-LN model."""
+    settings, run, _ = run_settings.resolve({"preset": "tiny", "norm_first": True}, run=tmp_path / "run")
+    run_settings.write_run_config(run, settings)
+    assert run_dir.read_config(run)["model"]["norm_first"] is True
+    resumed, _, _ = run_settings.resolve({}, run=run)
+    assert resumed.norm_first is True
+    with pytest.raises(run_settings.SettingsError,
+                       match=r"trained with --norm-first, not --no-norm-first; .*leave out --no-norm-first"):
+        run_settings.resolve({"norm_first": False}, run=run)
+
+    old = run_settings.layered({"preset": "medium"}).to_config()
+    old["model"] = {"dropout_rate": 0.2, "attention_init": "mimetic"}
+    run_dir.write_config(tmp_path / "old", old)
+    assert run_settings.resolve({}, run=tmp_path / "old")[0].norm_first is False
+    with pytest.raises(run_settings.SettingsError, match=r"trained with --no-norm-first, not --norm-first"):
+        run_settings.resolve({"norm_first": True}, run=tmp_path / "old")
 
 
 @pytest.mark.slow

@@ -34,8 +34,7 @@ def build_parser():
     def per_preset(name):
         """'tiny 200, small 1600, ...': the recipes' defaults of setting `name`, for help texts."""
         values = {preset: defaults(preset, DEFAULT_CORPUS)[name] for preset in RECIPES}
-        shown = {preset: "none" if value is None else value if isinstance(value, str) else f"{value:g}"
-                 for preset, value in values.items()}
+        shown = {preset: _shown_default(value) for preset, value in values.items()}
         return ", ".join(f"{preset} {value}" for preset, value in shown.items())
 
     general = defaults(DEFAULT_PRESET, DEFAULT_CORPUS)  # The settings no recipe or corpus sets.
@@ -98,6 +97,9 @@ def build_parser():
                       help="How the attention kernels start: independent draws (the paper's), tied (each "
                            "position attends to itself at first) or mimetic (Trockman and Kolter, 2023). "
                            f"[the preset's: {per_preset('attention_init')}]")
+    what.add_argument("--norm-first", **checked("norm_first"), default=None,
+                      help="Pre-LN blocks (each sub-layer normalises its input, a LayerNorm ends each stack) "
+                           f"instead of the paper's post-LN. [the preset's: {per_preset('norm_first')}]")
 
     how = parser.add_argument_group("optimization")
     length = how.add_mutually_exclusive_group()
@@ -190,6 +192,15 @@ def build_parser():
     run.add_argument("--alpha", **checked("alpha"), default=None,
                      help=f"Length penalty alpha. [the preset's: {per_preset('alpha')}]")
     return parser
+
+
+def _shown_default(value):
+    """A setting's default as a help text shows it: 'none', 'yes'/'no', a string, or a number in %g."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return value if isinstance(value, str) else f"{value:g}"
 
 
 def configure_logging():
