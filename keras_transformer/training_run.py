@@ -7,7 +7,7 @@ corpus, learns or loads the shared vocabulary (the chief learns it; every worker
 it), builds the model (the preset's, or the architecture saved in config.json when
 resuming), trains with `keras_transformer.trainer.Trainer` (validating on the chief),
 then on the chief averages the last checkpoints if asked, keeps the average only if it
-translates the validation sentences at least as well as the checkpoint it would replace,
+translates the validation split at least as well as the checkpoint it would replace,
 and translates the test split with the run's model (`run_dir.checkpoint_path(run, "best")`).
 
 A finished run given again is evaluated again; an interrupted one resumes from its last
@@ -340,12 +340,14 @@ def average_if_better(run, corpus, settings):
 
     The paper averages the checkpoints of a long, converged run, where it smooths the
     noise of the last updates. Early in a short run, the older checkpoints are much worse
-    than the latest and so is their mean. The average is compared, on the first
-    --bleu-sentences validation sentences, with the checkpoint that would otherwise be the
-    run's model: the one of the best validation BLEU in a run that keeps it
-    (`run_dir.best_checkpoint`), else the latest. It is kept (as the run's model, which
-    the test, translate.py and export use) if its BLEU is at least that one's; without
-    validation sentences, it is kept unchecked.
+    than the latest and so is their mean. The average is compared, on the whole validation
+    split, with the checkpoint that would otherwise be the run's model: the one of the best
+    validation BLEU in a run that keeps it (`run_dir.best_checkpoint`), else the latest.
+    All of the split, not the first --bleu-sentences of the periodic check: this choice is
+    made once, and between checkpoints that close a subset's BLEU differs by its noise.
+    The average is kept (as the run's model, which the test, translate.py and export use)
+    if its BLEU is at least that one's; without a validation BLEU (no validation split, or
+    --bleu-sentences 0), it is kept unchecked.
     """
     averaged_path, averaged = run_dir.average_checkpoints(run, settings.average_last, settings.checkpoint_every)
     logger.info("Averaged the last %d checkpoints (%s) into %s", len(averaged),
@@ -357,7 +359,7 @@ def average_if_better(run, corpus, settings):
         rival, label = "latest", "latest"
     else:
         return  # The average of one checkpoint is that checkpoint.
-    pairs = list(corpus.validation or [])[: settings.bleu_sentences]
+    pairs = list(corpus.validation or []) if settings.bleu_sentences else []
     if not pairs:
         return
     averaged_scores, rival_scores = (

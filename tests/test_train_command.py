@@ -63,6 +63,32 @@ def test_an_average_that_translates_as_well_as_the_latest_is_kept(tmp_path, monk
     assert run_dir.checkpoint_path(tmp_path, "best") == run_dir.checkpoint_path(tmp_path, "averaged")
 
 
+def test_the_average_is_chosen_on_the_whole_validation_split_not_the_periodic_checks_sentences(
+    tmp_path, monkeypatch, caplog
+):
+    """The latest translates the first --bleu-sentences pair right and the average the other three: the
+    average is kept, as every validation pair counts."""
+    checkpointed_run(tmp_path, (100, 200))  # tiny's checkpoints: every 100 steps
+    targets = dict(PAIRS)
+    right = {"latest": PAIRS[:1], run_dir.AVERAGED_DIR: PAIRS[1:]}
+
+    def translate(model, tokenizer, sources, *args, **kwargs):
+        checkpoint = "latest" if model == "latest" else Path(model).parent.name
+        return [targets[s] if (s, targets[s]) in right[checkpoint] else "nichts" for s in sources]
+
+    fake_translations(monkeypatch, winner=None)
+    monkeypatch.setattr(training_run.evaluation, "translate", translate)
+    caplog.set_level("INFO", logger="keras_transformer")
+    settings = run_settings.layered(
+        {"preset": "tiny", "average_last": 2, "bleu_sentences": 1, "beam_size": 1, "alpha": 0.6, "max_length": 16}
+    )
+
+    training_run.average_if_better(tmp_path, validation_corpus(), settings)
+
+    assert run_dir.checkpoint_path(tmp_path, "best") == run_dir.checkpoint_path(tmp_path, "averaged")
+    assert any(f"Validation BLEU ({len(PAIRS)} sentences)" in record.getMessage() for record in caplog.records)
+
+
 def test_average_only_needs_no_data_directory(tmp_path):
     """A --dataset files run averages without --data-dir: averaging reads no data."""
     for step in (100, 200):  # tiny's checkpoints: every 100 steps

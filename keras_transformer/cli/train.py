@@ -180,8 +180,8 @@ def build_parser():
                           f"[the preset's: {per_preset('bleu_sentences')}]")
     run.add_argument("--average-last", **checked("average_last"), default=None,
                      help="Average the last N checkpoints into RUN/averaged for the final evaluation "
-                          "(paper: 5 for base, 20 for big), kept only if its validation BLEU is at least that "
-                          "of the last checkpoint, or of the best one in a run that keeps it (--eval-every N); "
+                          "(paper: 5 for base, 20 for big), kept only if its BLEU on the whole validation split "
+                          "is at least that of the last checkpoint, or of the best one in a run that keeps it (--eval-every N); "
                           "kept unchecked when there is no validation BLEU (--bleu-sentences 0). At most "
                           "--keep-checkpoints. 0: use the last checkpoint (or the best one). "
                           f"[the preset's: {per_preset('average_last')}]")
