@@ -176,14 +176,15 @@ def build_parser():
                           "of --average-last, if it translates better). 0: train all steps. "
                           f"[{general['patience']}]")
     run.add_argument("--bleu-sentences", **checked("bleu_sentences"), default=None,
-                     help="Validation sentences translated for the validation BLEU (0: none). "
+                     help="Validation sentences translated for each validation BLEU (0: none); the final choice "
+                          "of --average-last translates the whole validation split. "
                           f"[the preset's: {per_preset('bleu_sentences')}]")
     run.add_argument("--average-last", **checked("average_last"), default=None,
                      help="Average the last N checkpoints into RUN/averaged for the final evaluation "
                           "(paper: 5 for base, 20 for big), kept only if its BLEU on the whole validation split "
-                          "is at least that of the last checkpoint, or of the best one in a run that keeps it (--eval-every N); "
-                          "kept unchecked when there is no validation BLEU (--bleu-sentences 0). At most "
-                          "--keep-checkpoints. 0: use the last checkpoint (or the best one). "
+                          "is at least that of the last checkpoint, or of the best one in a run that keeps it "
+                          "(--eval-every N); kept unchecked when there is no validation BLEU (--bleu-sentences 0). "
+                          "At most --keep-checkpoints. 0: use the last checkpoint (or the best one). "
                           f"[the preset's: {per_preset('average_last')}]")
     run.add_argument("--average-only", action="store_true",
                      help="Only average the last --average-last checkpoints of --run-dir, then exit.")
