@@ -133,13 +133,14 @@ def fake_translations(monkeypatch, winner, wins=REFERENCES, loses=None):
     "averaged", or a checkpoint's path) and `run_dir.load_tokenizer` None; the fake
     `evaluation.translate` then answers `wins` for the checkpoint named `winner` or lying
     in a directory named `winner` (such as `run_dir.BEST_DIR`), and `loses` for any other
-    (by default "nichts" for every source). It takes the decoding settings in any form.
+    (by default "nichts" for every source): their first `len(sources)` lines, as the
+    sources are the first pairs of the split. It takes the decoding settings in any form.
     """
 
     def translate(model, tokenizer, sources, *args, **kwargs):
         if str(model) == winner or Path(str(model)).parent.name == winner:
-            return list(wins)
-        return list(loses) if loses is not None else ["nichts"] * len(sources)
+            return list(wins)[: len(sources)]
+        return list(loses)[: len(sources)] if loses is not None else ["nichts"] * len(sources)
 
     monkeypatch.setattr(run_dir, "load_model", lambda run, which="latest", *args, **kwargs: which)
     monkeypatch.setattr(run_dir, "load_tokenizer", lambda *args, **kwargs: None)

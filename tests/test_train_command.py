@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from fake_runs import (
     PAIRS,
+    REFERENCES,
     checkpointed_run,
     fake_translations,
     files_corpus,
@@ -69,15 +70,9 @@ def test_the_average_is_chosen_on_the_whole_validation_split_not_the_periodic_ch
     """The latest translates the first --bleu-sentences pair right and the average the other three: the
     average is kept, as every validation pair counts."""
     checkpointed_run(tmp_path, (100, 200))  # tiny's checkpoints: every 100 steps
-    targets = dict(PAIRS)
-    right = {"latest": PAIRS[:1], run_dir.AVERAGED_DIR: PAIRS[1:]}
-
-    def translate(model, tokenizer, sources, *args, **kwargs):
-        checkpoint = "latest" if model == "latest" else Path(model).parent.name
-        return [targets[s] if (s, targets[s]) in right[checkpoint] else "nichts" for s in sources]
-
-    fake_translations(monkeypatch, winner=None)
-    monkeypatch.setattr(training_run.evaluation, "translate", translate)
+    wrong = ["nichts"] * len(REFERENCES)
+    fake_translations(monkeypatch, winner=run_dir.AVERAGED_DIR, wins=wrong[:1] + REFERENCES[1:],
+                      loses=REFERENCES[:1] + wrong[1:])
     caplog.set_level("INFO", logger="keras_transformer")
     settings = run_settings.layered(
         {"preset": "tiny", "average_last": 2, "bleu_sentences": 1, "beam_size": 1, "alpha": 0.6, "max_length": 16}
