@@ -17,7 +17,8 @@ Checkpoint averaging (section 6.1: the mean of the last 5 checkpoints for base m
 20 for big ones) smooths the noise of the last updates; `average_checkpoints` writes it.
 
 The run's model, `checkpoint_path(run_dir, "best")` (what the final test, translate.py and
-the export use): the averaged checkpoint while it is current (see `checkpoint_path`), else
+the export use): the averaged checkpoint while it is current (see `checkpoint_path`; the
+final check writes the latest there, as an average of 1, when the latest beats the best), else
 the checkpoint of the best validation BLEU when the run has one, else the latest.
 """
 

@@ -6,8 +6,8 @@ local GPUs, the given devices, or the workers of a multi-worker `TF_CONFIG`), lo
 corpus, learns or loads the shared vocabulary (the chief learns it; every worker reads
 it), builds the model (the preset's, or the architecture saved in config.json when
 resuming), trains with `keras_transformer.trainer.Trainer` (validating on the chief),
-then on the chief averages the last checkpoints if asked, keeps the average only if it
-translates the validation split at least as well as the checkpoint it would replace,
+then on the chief averages the last checkpoints if asked, makes the best translator of the
+validation split among the average, the best checkpoint and the latest the run's model,
 and translates the test split with the run's model (`run_dir.checkpoint_path(run, "best")`).
 
 A finished run given again is evaluated again; an interrupted one resumes from its last
@@ -336,44 +336,65 @@ def average_only(run, settings):
 
 
 def average_if_better(run, corpus, settings):
-    """Averages the last checkpoints, and keeps the average only if it translates better.
+    """Averages the last checkpoints, and makes the best translator of the candidates the run's model.
 
     The paper averages the checkpoints of a long, converged run, where it smooths the
     noise of the last updates. Early in a short run, the older checkpoints are much worse
-    than the latest and so is their mean. The average is compared, on the whole validation
-    split, with the checkpoint that would otherwise be the run's model: the one of the best
-    validation BLEU in a run that keeps it (`run_dir.best_checkpoint`), else the latest.
-    All of the split, not the first --bleu-sentences of the periodic check: this choice is
-    made once, and between checkpoints that close a subset's BLEU differs by its noise.
-    The average is kept (as the run's model, which the test, translate.py and export use)
-    if its BLEU is at least that one's; without a validation BLEU (no validation split, or
-    --bleu-sentences 0), it is kept unchecked.
+    than the latest and so is their mean. So the candidates are the average, the checkpoint
+    of the best periodic validation BLEU in a run that keeps one (`run_dir.best_checkpoint`),
+    and the latest checkpoint, each translating the whole validation split: not the first
+    --bleu-sentences of the periodic check, as this choice is made once, and between
+    checkpoints that close a subset's BLEU differs by its noise. The highest BLEU becomes the
+    run's model (which the test, translate.py and export use), ties going to the earlier in
+    that order. A latest checkpoint that beats a kept best one is written to RUN/averaged as
+    the average of the last 1, since RUN/best would otherwise be the run's model. Without a
+    validation BLEU (no validation split, or --bleu-sentences 0), the average is kept unchecked.
     """
     averaged_path, averaged = run_dir.average_checkpoints(run, settings.average_last, settings.checkpoint_every)
     logger.info("Averaged the last %d checkpoints (%s) into %s", len(averaged),
                 ", ".join(Path(p).name for p in averaged), averaged_path)
+    rivals = _rivals_of_the_average(run, averaged)
+    pairs = list(corpus.validation or []) if settings.bleu_sentences else []
+    if not rivals or not pairs:
+        return
+    candidates = {"averaged": averaged_path, **rivals}
+    scores = {label: _validation_scores(run, which, pairs, corpus.target_lang, settings)
+              for label, which in candidates.items()}
+    logger.info("Validation BLEU (%d sentences): %s.", len(pairs), ", ".join(
+        f"{_candidate_name(label, candidates[label])} {score.bleu.score:.2f} (chrF {score.chrf.score:.2f})"
+        for label, score in scores.items()))
+    winner = max(scores, key=lambda label: scores[label].bleu.score)  # The first of equals; chrF is for information.
+    if winner == "averaged":
+        logger.info("The averaged checkpoint translates at least as well: it is the run's model.")
+        return
+    shutil.rmtree(run / run_dir.AVERAGED_DIR)
+    if winner == "latest" and "best" in candidates:
+        kept, _ = run_dir.average_checkpoints(run, 1, settings.checkpoint_every)
+        logger.info("The latest checkpoint translates best: it is the run's model, as %s (the average of the "
+                    "last 1).", _short_name(kept))
+        return
+    logger.info("Dropped the averaged checkpoint: the %s translates better, and is the run's model "
+                "(train.py --run-dir %s --average-only --average-last N writes it again).",
+                _candidate_name(winner, candidates[winner]), run)
+
+
+def _rivals_of_the_average(run, averaged):
+    """{"best": the best checkpoint, "latest": "latest"}: those of them that differ from the average and each other.
+
+    `averaged` lists the checkpoints averaged, the latest last: an average of one is the latest.
+    """
+    rivals = {}
     best = run_dir.best_checkpoint(run)
     if best:
-        rival, label = best[0], f"best checkpoint ({_short_name(best[0])})"
-    elif len(averaged) >= 2:
-        rival, label = "latest", "latest"
-    else:
-        return  # The average of one checkpoint is that checkpoint.
-    pairs = list(corpus.validation or []) if settings.bleu_sentences else []
-    if not pairs:
-        return
-    averaged_scores, rival_scores = (
-        _validation_scores(run, which, pairs, corpus.target_lang, settings) for which in (averaged_path, rival)
-    )
-    logger.info("Validation BLEU (%d sentences): averaged %.2f, %s %.2f (chrF %.2f, %.2f).", len(pairs),
-                averaged_scores.bleu.score, label, rival_scores.bleu.score, averaged_scores.chrf.score,
-                rival_scores.chrf.score)
-    if averaged_scores.bleu.score < rival_scores.bleu.score:  # BLEU decides; chrF is for information.
-        shutil.rmtree(run / run_dir.AVERAGED_DIR)
-        logger.info("Dropped the averaged checkpoint: the %s translates better, and is the run's model "
-                    "(train.py --run-dir %s --average-only --average-last N writes it again).", label, run)
-    else:
-        logger.info("The averaged checkpoint translates at least as well: it is the run's model.")
+        rivals["best"] = best[0]
+    if len(averaged) >= 2 and not (best and run_dir.checkpoint_step(best[0]) == run_dir.checkpoint_step(averaged[-1])):
+        rivals["latest"] = "latest"
+    return rivals
+
+
+def _candidate_name(label, which):
+    """'averaged', 'best checkpoint (best/ckpt-N)' or 'latest': a candidate of `average_if_better` for messages."""
+    return f"best checkpoint ({_short_name(which)})" if label == "best" else label
 
 
 def _short_name(path):

@@ -256,8 +256,8 @@ def test_bleu_decides_whether_the_average_is_kept_and_chrf_is_logged_next_to_it(
     averaged, latest = (by_bleu, by_chrf) if bleu_better == "averaged" else (by_chrf, by_bleu)
     (line,) = [record.getMessage() for record in caplog.records if record.getMessage().startswith("Validation BLEU")]
     assert line == (
-        f"Validation BLEU (4 sentences): averaged {averaged.bleu.score:.2f}, latest {latest.bleu.score:.2f} "
-        f"(chrF {averaged.chrf.score:.2f}, {latest.chrf.score:.2f})."
+        f"Validation BLEU (4 sentences): averaged {averaged.bleu.score:.2f} (chrF {averaged.chrf.score:.2f}), "
+        f"latest {latest.bleu.score:.2f} (chrF {latest.chrf.score:.2f})."
     )
 
 

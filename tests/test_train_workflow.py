@@ -682,6 +682,35 @@ def test_the_final_evaluation_keeps_the_average_only_if_it_beats_the_best_checkp
     assert run_dir.checkpoint_path(tmp_path, "best") == expected
 
 
+def test_a_latest_checkpoint_that_beats_the_best_and_the_average_is_the_runs_model(tmp_path, monkeypatch, caplog):
+    """Of the average of steps 200 and 300, the best checkpoint (100) and the latest (300), the latest translates
+    best: RUN/averaged then holds the latest's weights, and RUN/best stays."""
+    best = checkpointed_run(tmp_path, (100, 200), best_step=100, train={"average_last": 2}).best
+    newer = run_dir.build_model(tmp_path)  # Other weights for step 300, so the average differs from the latest.
+    for variable in newer.trainable_variables:
+        variable.assign(tf.ones_like(variable))
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=newer), str(tmp_path / run_dir.CHECKPOINT_DIR), 3)
+    latest = manager.save(checkpoint_number=300)
+    fake_translations(monkeypatch, winner="latest")
+    caplog.set_level("INFO", logger="keras_transformer")
+    settings = run_settings.layered(
+        {"preset": "tiny", "average_last": 2, "bleu_sentences": len(PAIRS), "beam_size": 1, "alpha": 0.6,
+         "max_length": 16}
+    )
+
+    training_run.average_if_better(tmp_path, validation_corpus(), settings)
+
+    model = run_dir.checkpoint_path(tmp_path, "best")
+    assert model == str(tmp_path / run_dir.AVERAGED_DIR / "ckpt-300")
+    weights = [name for name, _ in tf.train.list_variables(latest) if name.startswith("model/")]
+    assert weights
+    for name in weights:
+        expected = tf.train.load_checkpoint(latest).get_tensor(name)
+        np.testing.assert_array_equal(tf.train.load_checkpoint(model).get_tensor(name), expected, err_msg=name)
+    assert run_dir.best_checkpoint(tmp_path)[0] == best  # RUN/best is kept as it was.
+    assert "averaged 0.00 (chrF" in caplog.text and "best checkpoint (best/ckpt-100) 0.00" in caplog.text
+
+
 _FAKE_VALIDATION = """
 import sys, train
 from keras_transformer import evaluation

@@ -173,7 +173,7 @@ def build_parser():
     run.add_argument("--patience", **checked("patience"), default=None,
                      help="Stop training once N validations in a row (--eval-every) have not improved on the "
                           "best validation BLEU; the run's model is then its best checkpoint (or the average "
-                          "of --average-last, if it translates better). 0: train all steps. "
+                          "of --average-last or the last checkpoint, if it translates better). 0: train all steps. "
                           f"[{general['patience']}]")
     run.add_argument("--bleu-sentences", **checked("bleu_sentences"), default=None,
                      help="Validation sentences translated for each validation BLEU (0: none); the final choice "
@@ -182,8 +182,9 @@ def build_parser():
     run.add_argument("--average-last", **checked("average_last"), default=None,
                      help="Average the last N checkpoints into RUN/averaged for the final evaluation "
                           "(paper: 5 for base, 20 for big), kept only if its BLEU on the whole validation split "
-                          "is at least that of the last checkpoint, or of the best one in a run that keeps it "
-                          "(--eval-every N); kept unchecked when there is no validation BLEU (--bleu-sentences 0). "
+                          "is at least that of the last checkpoint and of the best one in a run that keeps it "
+                          "(--eval-every N), else the better of those is the run's model; kept unchecked when "
+                          "there is no validation BLEU (--bleu-sentences 0). "
                           "At most --keep-checkpoints. 0: use the last checkpoint (or the best one). "
                           f"[the preset's: {per_preset('average_last')}]")
     run.add_argument("--average-only", action="store_true",
