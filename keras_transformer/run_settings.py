@@ -222,7 +222,7 @@ class RunSettings:
 
 SETTINGS = {field.name: field.metadata for field in dataclasses.fields(RunSettings)}
 # Settings that earlier versions did not save, with the value those versions' runs had: a
-# recipe's newer value would otherwise change such a run when it resumes.
+# recipe's newer value would otherwise change such a run when it resumes, or is given back as --config.
 SAVED_SINCE = {"cpu_replicas": 1, "attention_dropout": 0.0, "activation_dropout": 0.0, "norm_first": False}
 PINNED = tuple(name for name, meta in SETTINGS.items() if meta["pinned"])
 # Flags of one command, not settings of the run: no key of a config file.
@@ -306,6 +306,8 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
     """
     explicit = {name: value for name, value in given.items() if value is not None and name in SETTINGS}
     from_file, model_keys = config_file_settings(config_file) if config_file is not None else ({}, {})
+    if model_keys:  # The model's architecture: a run's config.json, which trains that run again, however old.
+        from_file = {**SAVED_SINCE, **from_file}
     file_reason = from_file.pop("precision_reason", None)  # Another run's: a new run's reason names it (below).
     requested = {**from_file, **explicit}
     dataset, preset = requested.get("dataset", corpora.DEFAULT_CORPUS), requested.get("preset", DEFAULT_PRESET)
@@ -632,9 +634,9 @@ def _check_model_keys(model_keys, settings, path):
     """
     from keras_transformer.model import Transformer
 
-    built = run_dir.model_config(
-        Transformer.from_preset(settings.preset, settings.vocab_size, dropout_rate=settings.dropout)
-    )
+    # Without dropout, which no model key holds (it is a setting): a dropout layer's seed variable
+    # would start TensorFlow's devices, and a strategy could no longer split the CPU (--cpu-replicas).
+    built = run_dir.model_config(Transformer.from_preset(settings.preset, settings.vocab_size, dropout_rate=0.0))
     for key, value in model_keys.items():
         if value != built[key] or isinstance(value, bool) != isinstance(built[key], bool):
             raise SettingsError(

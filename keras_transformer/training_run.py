@@ -385,9 +385,10 @@ def _rivals_of_the_average(run, averaged):
     """
     rivals = {}
     best = run_dir.best_checkpoint(run)
-    if best:
+    best_is_latest = bool(best) and run_dir.checkpoint_step(best[0]) == run_dir.checkpoint_step(averaged[-1])
+    if best and not (best_is_latest and len(averaged) == 1):
         rivals["best"] = best[0]
-    if len(averaged) >= 2 and not (best and run_dir.checkpoint_step(best[0]) == run_dir.checkpoint_step(averaged[-1])):
+    if len(averaged) >= 2 and not best_is_latest:
         rivals["latest"] = "latest"
     return rivals
 

@@ -7,6 +7,7 @@ run `python train.py` in a subprocess, and the library functions a run is made o
 
 import dataclasses
 import hashlib
+import json
 import re
 import resource
 import signal
@@ -688,6 +689,25 @@ def test_a_run_of_an_earlier_version_keeps_its_one_cpu_replica(tmp_path):
     resumed, _, _ = run_settings.resolve({}, run=tmp_path / "old")
     new, _, _ = run_settings.resolve({"preset": "medium"}, run=tmp_path / "new")
     assert (resumed.cpu_replicas, new.cpu_replicas) == (1, 2)
+
+
+def test_a_config_json_of_an_earlier_version_given_back_keeps_its_one_cpu_replica(tmp_path):
+    """--config OLD/config.json --run-dir NEW trains OLD's run again: one replica, not the recipe's two of its budget.
+
+    A file holding the model's architecture is a run's config.json; a user's file without it takes the recipe's.
+    """
+    old = run_settings.layered({"preset": "medium", "token_budget": 4096}).to_config()  # medium's batch then
+    del old["train"]["cpu_replicas"]
+    built = Transformer.from_preset("medium", vocab_size=old["data"]["vocab_size"], dropout_rate=0.0)
+    old["model"] = {**run_dir.model_config(built), **old["model"]}
+    run_dir.write_config(tmp_path / "old", old)
+    user_file = tmp_path / "medium.json"
+    user_file.write_text(json.dumps({"train": {"preset": "medium"}}))
+
+    given_back, _, _ = run_settings.resolve({}, config_file=tmp_path / "old" / run_dir.CONFIG_FILE, run=tmp_path / "a")
+    users, _, _ = run_settings.resolve({}, config_file=user_file, run=tmp_path / "b")
+    assert (given_back.cpu_replicas, given_back.token_budget) == (1, 4096)
+    assert users.cpu_replicas == 2
 
 
 def test_attention_and_activation_dropout_are_pinned_and_a_run_of_an_earlier_version_had_none(tmp_path):

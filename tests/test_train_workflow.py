@@ -83,7 +83,7 @@ def test_a_runs_config_json_given_back_trains_the_same_run(tmp_path, training_co
     _train("--run-dir", str(run), "--preset", "tiny", *training_corpus, "--vocab-size", "1000", "--max-length", "64",
            "--train-steps", "3", "--seed", "3", "--warmup-steps", "50", "--label-smoothing", "0.2", "--alpha", "0.8",
            "--beam-size", "1", "--bleu-sentences", "0", "--dropout", "0.15", "--attention-init", "tied",
-           "--max-minutes", "30")
+           "--max-minutes", "30", "--cpu-replicas", "2")
     given_back = run_dir.read_config(run)
     # The data directory is no setting of a run: each command gives it.
     data_dir = training_corpus[training_corpus.index("--data-dir") + 1]
@@ -96,6 +96,8 @@ def test_a_runs_config_json_given_back_trains_the_same_run(tmp_path, training_co
     assert taken == given_back
     assert given_back["train"]["seed"] == 3 and given_back["model"]["dropout_rate"] == 0.15
     assert given_back["model"]["attention_init"] == "tied"
+    if not tf.config.list_physical_devices("GPU"):  # Checking the file's model must leave the CPU to split.
+        assert given_back["train"]["cpu_replicas"] == 2 and taken["train"]["replicas"] == 2
 
 
 def _saved_run(directory, **train_settings):
@@ -709,6 +711,25 @@ def test_a_latest_checkpoint_that_beats_the_best_and_the_average_is_the_runs_mod
         np.testing.assert_array_equal(written.get_tensor(name), expected.get_tensor(name), err_msg=name)
     assert run_dir.best_checkpoint(tmp_path)[0] == best  # RUN/best is kept as it was.
     assert "averaged 0.00 (chrF" in caplog.text and "best checkpoint (best/ckpt-100) 0.00" in caplog.text
+
+
+def test_an_average_of_one_that_is_the_best_checkpoint_is_not_translated_twice(tmp_path, monkeypatch):
+    """--average-last 1 where the best checkpoint is the latest: the one candidate is kept without a check."""
+    checkpointed_run(tmp_path, (100, 200), best_step=200, train={"average_last": 1})
+    fake_translations(monkeypatch, winner=run_dir.BEST_DIR)
+    translated = []
+    real_scores = training_run._validation_scores
+    monkeypatch.setattr(training_run, "_validation_scores",
+                        lambda run, which, *args: translated.append(which) or real_scores(run, which, *args))
+    settings = run_settings.layered(
+        {"preset": "tiny", "average_last": 1, "bleu_sentences": len(PAIRS), "beam_size": 1, "alpha": 0.6,
+         "max_length": 16}
+    )
+
+    training_run.average_if_better(tmp_path, validation_corpus(), settings)
+
+    assert translated == []
+    assert run_dir.checkpoint_path(tmp_path, "best") == run_dir.checkpoint_path(tmp_path, "averaged")
 
 
 _FAKE_VALIDATION = """
