@@ -5,10 +5,11 @@ Each module holds one command's parser and `main(argv=None) -> exit code` (`xla_
 `decoding_flags`: flags several of them share). Library modules never import from here.
 
 Importing this package quiets what TensorFlow says that means nothing to a command's
-user: its C++ info and warning lines (CPU features, the asserts XLA leaves out), unless
-`TF_CPP_MIN_LOG_LEVEL` is set; the warning, at each load of an export, about the
-custom gradients it leaves out on purpose (`saved_model.save_translator`); and the
-deprecation of the loader that the export's check loads it with, as TF Serving does.
+user: its C++ info and warning lines (CPU features, the asserts XLA leaves out; not those
+printed before its logging starts, see docs/training.md), unless `TF_CPP_MIN_LOG_LEVEL` is
+set; the warning, at each load of an export, about the custom gradients it leaves out on
+purpose (`saved_model.save_translator`); and the deprecation of the loader that the
+export's check loads it with, as TF Serving does.
 """
 
 import logging
