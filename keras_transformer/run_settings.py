@@ -307,7 +307,7 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
     explicit = {name: value for name, value in given.items() if value is not None and name in SETTINGS}
     from_file, model_keys = config_file_settings(config_file) if config_file is not None else ({}, {})
     if model_keys:  # The model's architecture: a run's config.json, which trains that run again, however old.
-        from_file = {**SAVED_SINCE, **from_file}
+        from_file = _as_its_version_trained(from_file)
     file_reason = from_file.pop("precision_reason", None)  # Another run's: a new run's reason names it (below).
     requested = {**from_file, **explicit}
     dataset, preset = requested.get("dataset", corpora.DEFAULT_CORPUS), requested.get("preset", DEFAULT_PRESET)
@@ -317,9 +317,9 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
     saved_config = run_dir.read_config(run) if (run / run_dir.CONFIG_FILE).is_file() else None
     if saved_config is None:
         _check_no_orphan_state(run)
-    saved = {} if saved_config is None else saved_settings(saved_config, run / run_dir.CONFIG_FILE)
+    saved = {}
     if saved_config is not None:
-        saved = {**SAVED_SINCE, **saved}
+        saved = _as_its_version_trained(saved_settings(saved_config, run / run_dir.CONFIG_FILE))
     _check_pinned(requested, saved, explicit, run, config_file)
     settings = layered(saved, from_file, explicit)
     if settings.mixed_precision == precision.AUTO and "mixed_precision" in saved:
@@ -353,6 +353,11 @@ def resolve(given, *, config_file=None, run=None, data_dir=None, average_only=Fa
         check_not_shorter_than_trained(run, settings.train_steps)
     _check_vocabulary(run, settings.vocab_size)
     return settings, run, saved_config
+
+
+def _as_its_version_trained(settings):
+    """A run's `settings` from its config.json, with `SAVED_SINCE`'s value for each that its version did not save."""
+    return {**SAVED_SINCE, **settings}
 
 
 def _check_pinned(requested, saved, explicit, run, config_file):

@@ -696,10 +696,11 @@ def test_a_config_json_of_an_earlier_version_given_back_keeps_its_one_cpu_replic
 
     A file holding the model's architecture is a run's config.json; a user's file without it takes the recipe's.
     """
-    old = run_settings.layered({"preset": "medium", "token_budget": 4096}).to_config()  # medium's batch then
+    settings = run_settings.layered({"preset": "medium", "token_budget": 4096})  # medium's batch then
+    built = Transformer.from_preset("medium", vocab_size=settings.vocab_size, dropout_rate=0.0)
+    run_settings.write_run_config(tmp_path / "old", settings, built)
+    old = run_dir.read_config(tmp_path / "old")
     del old["train"]["cpu_replicas"]
-    built = Transformer.from_preset("medium", vocab_size=old["data"]["vocab_size"], dropout_rate=0.0)
-    old["model"] = {**run_dir.model_config(built), **old["model"]}
     run_dir.write_config(tmp_path / "old", old)
     user_file = tmp_path / "medium.json"
     user_file.write_text(json.dumps({"train": {"preset": "medium"}}))
