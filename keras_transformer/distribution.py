@@ -67,11 +67,19 @@ def _share_threads(num_devices):
     """Cuts TensorFlow's thread pools for `num_devices` replicas on a CPU (see `split_cpu`); sizes already set stay."""
     threading = tf.config.threading
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if not (threading.get_intra_op_parallelism_threads() or os.environ.get("TF_NUM_INTRAOP_THREADS")):
+    if not (threading.get_intra_op_parallelism_threads() or _threads_from_env("TF_NUM_INTRAOP_THREADS")):
         threading.set_intra_op_parallelism_threads(max(1, cores // num_devices))
     # TensorFlow's default inter-op pool has a thread per core.
-    if not (threading.get_inter_op_parallelism_threads() or os.environ.get("TF_NUM_INTEROP_THREADS")):
+    if not (threading.get_inter_op_parallelism_threads() or _threads_from_env("TF_NUM_INTEROP_THREADS")):
         threading.set_inter_op_parallelism_threads(max(cores, num_devices))
+
+
+def _threads_from_env(name):
+    """The pool size environment variable `name` sets, or 0: TensorFlow reads 0 (or no number) as its default."""
+    try:
+        return max(0, int(os.environ.get(name, "0")))
+    except ValueError:
+        return 0
 
 
 def cluster_task_count(tf_config=None):

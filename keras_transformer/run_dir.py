@@ -7,6 +7,7 @@ Layout:
     RUN/checkpoints/ckpt-N*  tf.train.Checkpoint(model, optimizer, step, random_state: the dropout seeds)
                              after step N, the last K kept
     RUN/averaged/ckpt-N*     tf.train.Checkpoint(model): the mean of the last checkpoints up to step N
+    RUN/.averaged-unchecked/ a new average while the final check compares it (moved to RUN/averaged if it wins)
     RUN/best/ckpt-N*         tf.train.Checkpoint(model, bleu): the weights of step N, whose validation BLEU
                              (`bleu`) is the best of the run so far; written by runs that validate every
                              --eval-every steps, and not deleted with the old checkpoints of RUN/checkpoints
@@ -26,6 +27,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import uuid
 from pathlib import Path
 
@@ -40,6 +42,8 @@ CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"
 CHECKPOINT_DIR = "checkpoints"
 AVERAGED_DIR = "averaged"
+# Hidden, as a run's partial files are: an interrupted check must not leave its average as the run's model.
+UNCHECKED_AVERAGE_DIR = ".averaged-unchecked"
 BEST_DIR = "best"
 LOG_DIR = "logs"
 TRANSLATIONS_DIR = "translations"
@@ -266,8 +270,8 @@ def checkpoint_step(path):
     return int(match.group(1))
 
 
-def average_checkpoints(run_dir, last_n, every=1):
-    """Writes the mean of the weights of the last `last_n` checkpoints to `RUN/averaged/`.
+def average_checkpoints(run_dir, last_n, every=1, into=AVERAGED_DIR):
+    """Writes the mean of the weights of the last `last_n` checkpoints to `RUN/averaged/` (or `RUN/into/`).
 
     Every weight of the model is trainable and averaged. The checkpoint holds the model
     only: no optimizer state, step or dropout seed states (a training checkpoint keeps
@@ -281,6 +285,8 @@ def average_checkpoints(run_dir, last_n, every=1):
         last_n: How many checkpoints to average, the newest and those of the schedule before
             it (fewer if fewer are kept).
         every: The run's steps between checkpoints (`--checkpoint-every`): the schedule.
+        into: The directory of the run to write it to: `AVERAGED_DIR` makes it the run's model;
+            `UNCHECKED_AVERAGE_DIR` holds it until `keep_unchecked_average`.
 
     Returns:
         `(path of the averaged checkpoint, paths of the checkpoints averaged)`.
@@ -306,9 +312,17 @@ def average_checkpoints(run_dir, last_n, every=1):
     for variable, total in zip(model.trainable_variables, totals):
         variable.assign((total / len(chosen)).astype(variable.dtype))
     manager = tf.train.CheckpointManager(
-        checkpoint, str(Path(run_dir) / AVERAGED_DIR), max_to_keep=1, checkpoint_name=CHECKPOINT_NAME
+        checkpoint, str(Path(run_dir) / into), max_to_keep=1, checkpoint_name=CHECKPOINT_NAME
     )
     return manager.save(checkpoint_number=checkpoint_step(chosen[-1])), chosen
+
+
+def keep_unchecked_average(run_dir):
+    """Moves the average of `UNCHECKED_AVERAGE_DIR` to RUN/averaged, replacing any there; returns its new prefix."""
+    run_dir = Path(run_dir)
+    shutil.rmtree(run_dir / AVERAGED_DIR, ignore_errors=True)
+    os.replace(run_dir / UNCHECKED_AVERAGE_DIR, run_dir / AVERAGED_DIR)  # Its `checkpoint` index holds relative paths.
+    return latest_checkpoint(run_dir / AVERAGED_DIR)
 
 
 def load_model(run_dir, which="best", dtype=None):

@@ -717,6 +717,25 @@ def check_replicas(run, settings, replicas):
     )
 
 
+def batch_warning(settings, replicas):
+    """One line when `settings.cpu_replicas` did not make the run's replicas, which changes its batch; else None.
+
+    --token-budget is per replica: a recipe that splits the CPU into N replicas (`medium`)
+    trains on N × budget tokens a step, and on other devices (GPUs, --devices, TF_CONFIG)
+    each replica still takes that budget.
+    """
+    chosen_for = settings.cpu_replicas
+    if chosen_for == 1 or replicas == chosen_for:
+        return None
+    budget = settings.token_budget
+    return (
+        f"--cpu-replicas {chosen_for} does not apply on this run's devices (GPUs, --devices or TF_CONFIG): its "
+        f"{replicas} replica(s) of --token-budget {budget} hold {replicas * budget:,} tokens a step, against the "
+        f"{chosen_for * budget:,} of {chosen_for} CPU replicas; --token-budget {chosen_for * budget // replicas} "
+        "keeps that batch."
+    )
+
+
 def check_workers(run, settings, workers):
     """The number of workers to record in config.json, after checking that the run may use `workers`.
 

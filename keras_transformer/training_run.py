@@ -33,6 +33,7 @@ from keras_transformer.model import Transformer
 from keras_transformer.run_settings import (
     INT64_MAX,
     SettingsError,
+    batch_warning,
     check_not_shorter_than_trained,
     check_replicas,
     check_workers,
@@ -71,6 +72,8 @@ def train(settings, run, saved_config=None, *, data_dir=None, devices=None, conn
     # handler replaces ours: without this, `kill` neither checkpoints nor stops a worker.
     stop_on_sigterm()
     replicas, workers = strategy.num_replicas_in_sync, distribution.num_workers(strategy)
+    if saved_config is None and (warning := batch_warning(settings, replicas)):
+        logger.warning(warning)
     if settings.epochs is None:  # Else the length of the run, which the checks need, is not known yet.
         settings = settings.replace(replicas=check_replicas(run, settings, replicas))
         settings = settings.replace(workers=check_workers(run, settings, workers))
@@ -349,13 +352,18 @@ def average_if_better(run, corpus, settings):
     that order. A latest checkpoint that beats a kept best one is written to RUN/averaged as
     the average of the last 1, since RUN/best would otherwise be the run's model. Without a
     validation BLEU (no validation split, or --bleu-sentences 0), the average is kept unchecked.
+    The average waits in RUN/.averaged-unchecked until it wins: a check cut short (Ctrl-C)
+    leaves the run's model as it was, and the run evaluated again checks it again.
     """
-    averaged_path, averaged = run_dir.average_checkpoints(run, settings.average_last, settings.checkpoint_every)
-    logger.info("Averaged the last %d checkpoints (%s) into %s", len(averaged),
-                ", ".join(Path(p).name for p in averaged), averaged_path)
+    shutil.rmtree(run / run_dir.UNCHECKED_AVERAGE_DIR, ignore_errors=True)
+    averaged_path, averaged = run_dir.average_checkpoints(
+        run, settings.average_last, settings.checkpoint_every, into=run_dir.UNCHECKED_AVERAGE_DIR
+    )
+    logger.info("Averaged the last %d checkpoints (%s).", len(averaged), ", ".join(Path(p).name for p in averaged))
     rivals = _rivals_of_the_average(run, averaged)
     pairs = list(corpus.validation or []) if settings.bleu_sentences else []
     if not rivals or not pairs:
+        logger.info("The average is the run's model: %s.", _short_name(run_dir.keep_unchecked_average(run)))
         return
     candidates = {"averaged": averaged_path, **rivals}
     scores = {label: _validation_scores(run, which, pairs, corpus.target_lang, settings)
@@ -365,9 +373,11 @@ def average_if_better(run, corpus, settings):
         for label, score in scores.items()))
     winner = max(scores, key=lambda label: scores[label].bleu.score)  # The first of equals; chrF is for information.
     if winner == "averaged":
-        logger.info("The averaged checkpoint translates at least as well: it is the run's model.")
+        logger.info("The averaged checkpoint translates at least as well: it is the run's model, %s.",
+                    _short_name(run_dir.keep_unchecked_average(run)))
         return
-    shutil.rmtree(run / run_dir.AVERAGED_DIR)
+    shutil.rmtree(run / run_dir.UNCHECKED_AVERAGE_DIR)
+    shutil.rmtree(run / run_dir.AVERAGED_DIR, ignore_errors=True)  # An earlier check's: this check decides.
     if winner == "latest" and "best" in candidates:
         kept, _ = run_dir.average_checkpoints(run, 1, settings.checkpoint_every)
         logger.info("The latest checkpoint translates best: it is the run's model, as %s (the average of the "

@@ -132,13 +132,16 @@ def fake_translations(monkeypatch, winner, wins=REFERENCES, loses=None):
     `run_dir.load_model(run, which)` returns `which` itself (a name such as "latest" or
     "averaged", or a checkpoint's path) and `run_dir.load_tokenizer` None; the fake
     `evaluation.translate` then answers `wins` for the checkpoint named `winner` or lying
-    in a directory named `winner` (such as `run_dir.BEST_DIR`), and `loses` for any other
-    (by default "nichts" for every source): their first `len(sources)` lines, as the
-    sources are the first pairs of the split. It takes the decoding settings in any form.
+    in a directory named `winner` (such as `run_dir.BEST_DIR`; an average under check counts as
+    `run_dir.AVERAGED_DIR`), and `loses` for any other (by default "nichts" for every source):
+    their first `len(sources)` lines, as the sources are the first pairs of the split. It takes
+    the decoding settings in any form.
     """
 
     def translate(model, tokenizer, sources, *args, **kwargs):
-        if str(model) == winner or Path(str(model)).parent.name == winner:
+        directory = Path(str(model)).parent.name
+        directory = run_dir.AVERAGED_DIR if directory == run_dir.UNCHECKED_AVERAGE_DIR else directory
+        if str(model) == winner or directory == winner:
             return list(wins)[: len(sources)]
         return list(loses)[: len(sources)] if loses is not None else ["nichts"] * len(sources)
 

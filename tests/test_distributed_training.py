@@ -220,6 +220,17 @@ def test_thread_pools_sized_by_the_environment_stay_as_they_are():
     assert (got_replicas, intra, inter) == (2, 0, 0)  # 0: not set through tf.config; TensorFlow reads the variables
 
 
+def test_thread_pools_the_environment_leaves_to_tensorflow_are_shared_out():
+    """TensorFlow takes a variable of 0 for its default size: the replicas' share applies as when it is unset."""
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("--cpu-replicas applies only where there is no GPU")
+    result = run_command([sys.executable, "-c", _CPU_REPLICAS_SCRIPT, "2"],
+                         env={"TF_NUM_INTRAOP_THREADS": "0", "TF_NUM_INTEROP_THREADS": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    got_replicas, intra, inter, cores = map(int, result.stdout.strip().splitlines()[-2].split())
+    assert (got_replicas, intra, inter) == (2, max(1, cores // 2), max(cores, 2))
+
+
 def test_devices_that_do_not_exist_are_refused():
     """This process never split its CPU: CPU:1 does not exist; nor does a GPU on a machine without one."""
     with pytest.raises(ValueError, match="Device CPU:1 does not exist: this process has 1 CPU device"):

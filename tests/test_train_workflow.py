@@ -100,6 +100,22 @@ def test_a_runs_config_json_given_back_trains_the_same_run(tmp_path, training_co
         assert given_back["train"]["cpu_replicas"] == 2 and taken["train"]["replicas"] == 2
 
 
+def test_cpu_replicas_that_the_devices_overrule_are_named_with_the_budget_that_keeps_the_batch(
+    tmp_path, training_corpus
+):
+    """`medium` splits the CPU into 2 replicas of 2,048 tokens; on 1 device (a GPU, --devices) a step would halve."""
+    stderr = _train("--run-dir", str(tmp_path / "run"), "--preset", "tiny", *training_corpus, "--vocab-size", "1000",
+                    "--train-steps", "2", "--bleu-sentences", "0", "--cpu-replicas", "2", "--devices", "CPU:0")
+    budget = RECIPES["tiny"].training["token_budget"]
+    assert run_dir.read_config(tmp_path / "run")["train"]["replicas"] == 1
+    warning = (f"--cpu-replicas 2 does not apply on this run's devices (GPUs, --devices or TF_CONFIG): its 1 "
+               f"replica(s) of --token-budget {budget} hold {budget:,} tokens a step, against the {2 * budget:,} of "
+               f"2 CPU replicas; --token-budget {2 * budget} keeps that batch.")
+    assert warning in stderr
+    two_replicas = run_settings.layered({"preset": "tiny", "cpu_replicas": 2})
+    assert run_settings.batch_warning(two_replicas, 2) is None  # Both replicas of its batch: nothing to say.
+
+
 def _saved_run(directory, **train_settings):
     """A run directory as a `tiny` run's start leaves it: its config.json, nothing trained."""
     settings = _resolve("--preset", "tiny", "--run-dir", str(directory / "elsewhere"))
@@ -730,6 +746,33 @@ def test_an_average_of_one_that_is_the_best_checkpoint_is_not_translated_twice(t
 
     assert translated == []
     assert run_dir.checkpoint_path(tmp_path, "best") == run_dir.checkpoint_path(tmp_path, "averaged")
+
+
+def test_a_check_cut_short_leaves_the_runs_model_as_it_was_and_the_next_one_checks_again(tmp_path, monkeypatch):
+    """Ctrl-C while the candidates translate: the average, not yet compared, must not become the run's model."""
+    best = _run_with_best(tmp_path, best_step=100, steps=(100, 200))
+    fake_translations(monkeypatch, winner=run_dir.AVERAGED_DIR)
+    real_scores = training_run._validation_scores
+
+    def interrupted_after_the_average(run, which, *args):
+        if Path(which).parent.name == run_dir.BEST_DIR:
+            raise KeyboardInterrupt
+        return real_scores(run, which, *args)
+
+    monkeypatch.setattr(training_run, "_validation_scores", interrupted_after_the_average)
+    settings = run_settings.layered(
+        {"preset": "tiny", "average_last": 2, "bleu_sentences": len(PAIRS), "beam_size": 1, "alpha": 0.6,
+         "max_length": 16}
+    )
+    with pytest.raises(KeyboardInterrupt):
+        training_run.average_if_better(tmp_path, validation_corpus(), settings)
+    assert run_dir.checkpoint_path(tmp_path, "best") == best
+    assert not (tmp_path / run_dir.AVERAGED_DIR).exists()
+
+    monkeypatch.setattr(training_run, "_validation_scores", real_scores)
+    training_run.average_if_better(tmp_path, validation_corpus(), settings)  # train.py given the run again.
+    assert run_dir.checkpoint_path(tmp_path, "best") == str(tmp_path / run_dir.AVERAGED_DIR / "ckpt-200")
+    assert not (tmp_path / run_dir.UNCHECKED_AVERAGE_DIR).exists()
 
 
 _FAKE_VALIDATION = """
