@@ -67,7 +67,7 @@ RECIPES = {
         # Each choice was made on validation; the figures are in docs/results.md.
         Recipe(
             "small",
-            "the default, 1600 steps: 5-10 min on a 2-core CPU with AVX-512, 20 with AVX2 only",
+            "the default, 1600 steps: 5-12 min on a 2-core CPU with AVX-512, 20 with AVX2 only",
             model=dict(num_layers=4, d_model=128, num_heads=4, d_ff=256, dropout_rate=0.0, attention_init="mimetic"),
             training=dict(
                 train_steps=1600, max_minutes=None, token_budget=4096, warmup_steps=1000, learning_rate_scale=1.75,
@@ -77,12 +77,12 @@ RECIPES = {
             decoding=DecodingSettings(alpha=1.0),
         ),
         # Wu et al. (2021)'s "tiny" model for Multi30k: narrow and shallow, so a CPU hour buys many
-        # passes. Their rate (5e-3 at 8k-token batches) times 1/sqrt(2) for half the batch; 57 minutes
-        # leave the set-up and the final evaluation inside the hour; alpha 1.0, as its outputs are
-        # short at 0.6; 4,000 ids, as the smaller output layer buys more steps; dropout 0.2 and a
-        # cooldown, for the fewer steps an AVX2-only CPU makes; two CPU replicas of 2,048 tokens, whose
-        # side-by-side steps beat one replica's ops spread over the cores. Each choice was made on
-        # validation; the figures are in docs/results.md.
+        # passes. Their rate (5e-3 at 8k-token batches) times 1/sqrt(2) for half the batch; 56 minutes
+        # leave the set-up and the final evaluation (3 minutes on a slow CPU) inside the hour; alpha
+        # 1.0, as its outputs are short at 0.6; 4,000 ids, as the smaller output layer buys more
+        # steps; dropout 0.2 and a cooldown, for the fewer steps an AVX2-only CPU makes; two CPU
+        # replicas of 2,048 tokens, whose side-by-side steps beat one replica's ops spread over the
+        # cores. Each choice was made on validation; the figures are in docs/results.md.
         Recipe(
             "medium",
             "best Multi30k BLEU in about an hour of CPU",
@@ -90,7 +90,7 @@ RECIPES = {
                 num_layers=4, d_model=128, num_heads=4, d_ff=256, dropout_rate=0.2, attention_init="mimetic"
             ),
             training=dict(
-                train_steps=20000, max_minutes=57.0, token_budget=2048, cpu_replicas=2, warmup_steps=2000,
+                train_steps=20000, max_minutes=56.0, token_budget=2048, cpu_replicas=2, warmup_steps=2000,
                 learning_rate_scale=1.75, log_every=100, checkpoint_every=100, keep_checkpoints=10, eval_every=500,
                 average_last=10, bleu_sentences=300, vocab_size=4000, cooldown=0.2,
             ),

@@ -370,7 +370,7 @@ def test_the_default_recipe_stops_after_its_steps_not_on_time():
 
 
 def test_max_minutes_0_lifts_a_recipes_time_budget():
-    """--max-minutes 0 is no budget (its help says so): medium's 57 minutes are lifted, and the trainer has none."""
+    """--max-minutes 0 is no budget (its help says so): medium's 56 minutes are lifted, and the trainer has none."""
     assert RECIPES["medium"].training["max_minutes"] > 0
     settings = _resolve("--run-dir", "unused", "--preset", "medium", "--max-minutes", "0")
     assert settings.max_minutes is None
