@@ -78,7 +78,7 @@ RECIPES = {
         ),
         # Wu et al. (2021)'s "tiny" model for Multi30k: narrow and shallow, so a CPU hour buys many
         # passes. Their rate (5e-3 at 8k-token batches) times 1/sqrt(2) for half the batch; 56 minutes
-        # leave the set-up and the final evaluation (3 minutes on a slow CPU) inside the hour; alpha
+        # leave the set-up and the final evaluation inside the hour on the slower CPUs too; alpha
         # 1.0, as its outputs are short at 0.6; 4,000 ids, as the smaller output layer buys more
         # steps; dropout 0.2 and a cooldown, for the fewer steps an AVX2-only CPU makes; two CPU
         # replicas of 2,048 tokens, whose side-by-side steps beat one replica's ops spread over the
