@@ -363,7 +363,8 @@ def average_if_better(run, corpus, settings):
     rivals = _rivals_of_the_average(run, averaged)
     pairs = list(corpus.validation or []) if settings.bleu_sentences else []
     if not rivals or not pairs:
-        logger.info("The average is the run's model: %s.", _short_name(run_dir.keep_unchecked_average(run)))
+        kept = run_dir.keep_unchecked_average(run)
+        logger.info("The average is the run's model: %s.", _short_name(kept))
         return
     candidates = {"averaged": averaged_path, **rivals}
     scores = {label: _validation_scores(run, which, pairs, corpus.target_lang, settings)
@@ -373,8 +374,9 @@ def average_if_better(run, corpus, settings):
         for label, score in scores.items()))
     winner = max(scores, key=lambda label: scores[label].bleu.score)  # The first of equals; chrF is for information.
     if winner == "averaged":
+        kept = run_dir.keep_unchecked_average(run)
         logger.info("The averaged checkpoint translates at least as well: it is the run's model, %s.",
-                    _short_name(run_dir.keep_unchecked_average(run)))
+                    _short_name(kept))
         return
     shutil.rmtree(run / run_dir.UNCHECKED_AVERAGE_DIR)
     shutil.rmtree(run / run_dir.AVERAGED_DIR, ignore_errors=True)  # An earlier check's: this check decides.
